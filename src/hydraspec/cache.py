@@ -1,0 +1,99 @@
+"""The KV cache: preallocated per layer, written by position, compacted to the accepted path.
+
+This is the only module that knows transformers' cache internals. Rejected tree nodes cost nothing to
+undo: `keep` moves the accepted nodes' keys/values next to the prefix and shortens the length, and
+the next forward simply overwrites what lies beyond.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotLayer(CacheLayerMixin):
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states):
+        b, h, _, d = key_states.shape
+        dv = value_states.shape[-1]
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.k_buf = torch.zeros(b, h, self.capacity, d, dtype=self.dtype, device=self.device)
+        self.v_buf = torch.zeros(b, h, self.capacity, dv, dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
+        self.k_buf[:, :, self.length:end] = key_states
+        self.v_buf[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys = self.k_buf[:, :, :end]
+        self.values = self.v_buf[:, :, :end]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def keep(self, start: int, idx: torch.Tensor) -> None:
+        """Keep positions [0, start) and then start+idx (sorted, ascending), dropping the rest."""
+        n = idx.numel()
+        if n and not self._is_identity(idx):
+            src = start + idx
+            self.k_buf[:, :, start:start + n] = self.k_buf[:, :, src]
+            self.v_buf[:, :, start:start + n] = self.v_buf[:, :, src]
+        self.length = start + n
+
+    @staticmethod
+    def _is_identity(idx: torch.Tensor) -> bool:
+        return bool(idx[-1].item() == idx.numel() - 1)
+
+
+class SpecCache(Cache):
+    """A cache of `capacity` positions per layer, batch size fixed by the first write."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.capacity = capacity
+        super().__init__(layers=[SlotLayer(capacity) for _ in range(num_layers)])
+
+    def __len__(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop(self, length: int) -> None:
+        for layer in self.layers:
+            layer.crop(length)
+
+    def keep(self, start: int, idx: torch.Tensor) -> None:
+        """Compact: positions [0, start) stay; of the positions after it keep those at `idx` (ascending)."""
+        for layer in self.layers:
+            layer.keep(start, idx)
+
+
+def new_cache(model, capacity: int) -> SpecCache:
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return SpecCache(cfg.num_hidden_layers, capacity)

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from ..errors import HydraspecError
+from .base import Drafter, NoDrafter
+from .draft_model import DraftModelDrafter, check_vocab
+from .prompt_lookup import PromptLookupDrafter
+
+METHODS = ("ar", "draft", "pld")
+
+
+def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
+                 **options) -> Drafter:
+    """Build the drafter for a method name: 'ar' (none), 'draft' (needs draft_model), 'pld'."""
+    if method == "ar":
+        return NoDrafter()
+    if method == "pld":
+        return PromptLookupDrafter(**options)
+    if method == "draft":
+        if draft_model is None:
+            raise HydraspecError("method 'draft' needs a draft model (--draft-model)")
+        if target_tokenizer is not None and draft_tokenizer is not None:
+            check_vocab(target_tokenizer, draft_tokenizer)
+        return DraftModelDrafter(draft_model, **options)
+    raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import Sampling
+from ..tree import DraftTree
+
+
+@dataclass
+class DecodeState:
+    """What a drafter may look at. tokens[-1] is the pending token: chosen by the target, not yet in
+    its cache; hidden is the target's last hidden state that produced it (only if the drafter asks)."""
+
+    tokens: list[int]
+    prompt_len: int
+    sampling: Sampling
+    generator: torch.Generator | None = None
+    hidden: torch.Tensor | None = None  # [dim]
+    extra: dict = field(default_factory=dict)
+
+
+class Drafter:
+    """Proposes a DraftTree under the pending token, then learns which of its nodes were accepted."""
+
+    name = "ar"
+    needs_hidden = False
+    max_nodes = 0  # upper bound on the size of any proposed tree
+
+    def start(self, state: DecodeState, capacity: int) -> None:
+        """A new generation begins; `capacity` is the longest the sequence can get."""
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        return DraftTree.empty()
+
+    def observe(self, state: DecodeState, accepted: list[int]) -> None:
+        """accepted: indices into the last proposed DraftTree along the accepted path, in order."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding through the same engine: every tree is just the pending token."""

@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import torch
+
+from ..cache import new_cache
+from ..errors import HydraspecError
+from ..sampling import sample_without_replacement
+from ..tree import DraftTree, shape_of
+from ..verify import check_supported, forward_nodes
+from .base import DecodeState, Drafter
+
+
+def check_vocab(target_tok, draft_tok) -> None:
+    """Refuse a draft model whose tokenizer maps ids to different tokens than the target's."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv.items()) - set(dv.items()))
+        raise HydraspecError(
+            f"draft model's tokenizer is incompatible with the target's ({len(dv)} vs {len(tv)} tokens, "
+            f"{only_t} target tokens differ): a draft model must share the target's vocabulary"
+        )
+
+
+class DraftModelDrafter(Drafter):
+    """Drafting with a smaller causal LM sharing the target's tokenizer (Leviathan et al. 2023).
+
+    Chain mode drafts k tokens one forward each; with `dynamic` the length follows transformers'
+    heuristic (start at k, +2 after a step where everything was accepted, -1 otherwise). Tree mode
+    (`widths`, e.g. [2, 2, 1]) expands `widths[d]` children per node at depth d, one forward per depth
+    over all nodes of that depth under a tree mask. Greedy takes the draft's top tokens; sampling draws
+    children without replacement from the draft's warped distribution and reports it as q.
+    The draft model keeps its own cache, compacted to the accepted path after every step.
+    `confidence`: in greedy chain mode, stop drafting once the draft's top probability falls below it.
+    """
+
+    name = "draft"
+
+    def __init__(self, model, k: int = 5, dynamic: bool = True, widths: list[int] | None = None,
+                 max_k: int = 16, confidence: float = 0.0):
+        check_supported(model)
+        self.model = model
+        self.widths = list(widths) if widths else None
+        if self.widths and any(w < 1 for w in self.widths):
+            raise HydraspecError("tree widths must be positive integers")
+        self.k0, self.k, self.max_k = k, k, max_k
+        self.dynamic = dynamic and not self.widths
+        self.confidence = confidence
+        if self.widths:
+            n, level = 0, 1
+            for w in self.widths:
+                level *= w
+                n += level
+            self.max_nodes = n
+        else:
+            self.max_nodes = max_k if self.dynamic else k
+
+    def start(self, state: DecodeState, capacity: int) -> None:
+        self.cache = new_cache(self.model, capacity + self.max_nodes + 1)
+        self.n_cached = 0
+        self.k = self.k0
+        self.n_fed = 0
+
+    def _depth_widths(self) -> list[int]:
+        return self.widths if self.widths else [1] * self.k
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        toks = state.tokens
+        dev = self.model.device
+        feed = torch.tensor(toks[self.n_cached:], dtype=torch.long, device=dev)
+        pos = torch.arange(self.n_cached, len(toks), device=dev)
+        logits, _ = forward_nodes(self.model, self.cache, feed, pos, None, self.n_cached, last_only=True)
+        self.n_cached = prefix = len(toks)
+        sampling, greedy = state.sampling, state.sampling.greedy
+        widths = self._depth_widths()
+
+        tokens: list[int] = []
+        parents: list[int] = []
+        qrows: list[torch.Tensor] = []
+        frontier = [(-1, logits[-1])]  # (parent node, logits at that parent)
+        fed = 0
+        for depth, width in enumerate(widths):
+            for parent, lg in frontier:
+                if greedy:
+                    top = torch.topk(lg, width)
+                    if self.confidence > 0 and not self.widths:
+                        if top.values[0].item() - torch.logsumexp(lg, -1).item() < _log(self.confidence):
+                            if tokens:  # always propose at least one token
+                                continue
+                    cand = top.indices
+                else:
+                    p = sampling.probs(lg)
+                    cand = sample_without_replacement(p, width, state.generator)
+                for x in cand.tolist():
+                    tokens.append(x)
+                    parents.append(parent)
+                    if not greedy:
+                        qrows.append(p)
+            new = list(range(fed, len(tokens)))
+            if not new or depth == len(widths) - 1:
+                break
+            shape = shape_of(tuple(parents))
+            anc = None if shape.is_chain else shape.ancestors[fed:len(tokens), :len(tokens)]
+            ids = torch.tensor(tokens[fed:], dtype=torch.long, device=dev)
+            positions = (prefix + shape.depth[fed:]).to(dev)
+            lg_new, _ = forward_nodes(self.model, self.cache, ids, positions, anc, prefix)
+            frontier = list(zip(new, lg_new))
+            fed = len(tokens)
+        self.n_fed = fed
+        q = None
+        if qrows:
+            q = torch.stack(qrows)
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents), q)
+
+    def observe(self, state: DecodeState, accepted: list[int]) -> None:
+        kept = [i for i in accepted if i < self.n_fed]
+        prefix = self.n_cached
+        self.cache.keep(prefix, torch.tensor(kept, dtype=torch.long))
+        self.n_cached = prefix + len(kept)
+        if self.dynamic:
+            self.k = min(self.k + 2, self.max_k) if len(accepted) >= self.k else max(1, self.k - 1)
+
+
+def _log(x: float) -> float:
+    import math
+
+    return math.log(x)

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import torch
+
+from ..tree import DraftTree, chain
+from .base import DecodeState, Drafter
+
+
+class PromptLookupDrafter(Drafter):
+    """Prompt lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n-gram of
+    prompt + output (n from max_ngram down to min_ngram) and propose the tokens that followed it.
+    Deterministic (q is one-hot), so lossless sampling stays exact."""
+
+    name = "pld"
+
+    def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+        if num_tokens < 1 or min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError("prompt lookup needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
+        self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.max_nodes = num_tokens
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        t = torch.tensor(state.tokens, dtype=torch.long)
+        n_tok = t.numel()
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            windows = t[: n_tok - 1].unfold(0, n, 1)  # every n-gram that has at least one token after it
+            hits = (windows == t[-n:]).all(1).nonzero().flatten()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                cand = t[start: start + self.num_tokens]
+                return DraftTree(cand, chain(cand.numel()))
+        return DraftTree.empty()

@@ -1,0 +1,42 @@
+"""Turning logits into the distribution tokens are drawn from; the same warping for target and draft."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., vocab] float logits -> [..., vocab] probabilities after temperature, top-k, top-p."""
+        x = logits.float() / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_x, order = torch.sort(x, dim=-1, descending=True)
+            cum = sorted_x.softmax(-1).cumsum(-1)
+            # drop a token when the mass before it already reaches top_p (the first token always stays)
+            drop_sorted = (cum - sorted_x.softmax(-1)) >= self.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            x = x.masked_fill(drop, float("-inf"))
+        return x.softmax(-1)
+
+
+def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=generator).item())
+
+
+def sample_without_replacement(p: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k distinct tokens drawn one after another from p, each time excluding those already drawn."""
+    k = min(k, int((p > 0).sum().item()))
+    return torch.multinomial(p, k, replacement=False, generator=generator)

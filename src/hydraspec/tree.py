@@ -1,0 +1,139 @@
+"""Token trees.
+
+A tree is a tuple of parent indices in breadth-first order (a node's depth never decreases along the
+list), with -1 for nodes that hang directly under the prefix. Everything a verify step needs — depths,
+the ancestor mask, children lists, root-to-leaf paths — is derived from the parents and cached, so a
+static tree costs nothing per step.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import HydraspecError
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    parents: tuple[int, ...]
+    depth: torch.Tensor  # [n] long, 0 for nodes under the prefix
+    ancestors: torch.Tensor  # [n, n] bool, node i sees node j (j == i or j is an ancestor of i)
+    children: tuple[tuple[int, ...], ...]  # children of each node, in index order
+    roots: tuple[int, ...]  # nodes with parent -1
+    is_chain: bool  # 0 <- 1 <- 2 ...: plain causal attention suffices
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+@functools.lru_cache(maxsize=4096)
+def shape_of(parents: tuple[int, ...]) -> TreeShape:
+    n = len(parents)
+    depth = [0] * n
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    children: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for i, p in enumerate(parents):
+        if p >= i or p < -1:
+            raise ValueError(f"node {i} has parent {p}: parents must come before their children")
+        anc[i, i] = True
+        if p == -1:
+            roots.append(i)
+        else:
+            depth[i] = depth[p] + 1
+            anc[i] |= anc[p]
+            children[p].append(i)
+        if i and depth[i] < depth[i - 1]:
+            raise ValueError("tree nodes must be in breadth-first order (non-decreasing depth)")
+    is_chain = all(p == i - 1 for i, p in enumerate(parents))
+    return TreeShape(
+        parents=tuple(parents),
+        depth=torch.tensor(depth, dtype=torch.long),
+        ancestors=anc,
+        children=tuple(tuple(c) for c in children),
+        roots=tuple(roots),
+        is_chain=is_chain,
+    )
+
+
+def chain(n: int) -> tuple[int, ...]:
+    return tuple(range(-1, n - 1))
+
+
+@dataclass
+class DraftTree:
+    """What a drafter proposes: draft tokens hanging under the pending (last accepted) token.
+
+    tokens:  [n] long, BFS order
+    parents: n ints, -1 = child of the pending token
+    q:       [n, vocab] the distribution each node was drawn from (siblings share their parent's row),
+             or None for a deterministic drafter (q is one-hot on the proposed token).
+    Siblings must have been drawn from q without replacement, in index order, for sampling to be lossless.
+    """
+
+    tokens: torch.Tensor
+    parents: tuple[int, ...]
+    q: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(device=None) -> "DraftTree":
+        return DraftTree(torch.empty(0, dtype=torch.long, device=device), ())
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def with_root(self) -> tuple[int, ...]:
+        """Parents of the verify tree: node 0 is the pending token, drafts follow shifted by one."""
+        return (-1,) + tuple(p + 1 for p in self.parents)
+
+
+# ---- tree specs (Medusa-style lists of paths) --------------------------------------------------
+
+
+def parents_from_paths(paths: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Turn Medusa-style choices ([[0], [0, 0], [1], ...], each a path of child ranks) into BFS-ordered
+    parents and the rank of each node among its siblings. Validates the spec."""
+    if not isinstance(paths, (list, tuple)) or not paths:
+        raise HydraspecError("a tree spec must be a non-empty list of paths such as [[0], [0, 0], [1]]")
+    seen = set()
+    for p in paths:
+        if not isinstance(p, (list, tuple)) or not p or not all(isinstance(r, int) and r >= 0 for r in p):
+            raise HydraspecError(f"bad tree path {p!r}: a path is a non-empty list of non-negative ranks")
+        t = tuple(p)
+        if t in seen:
+            raise HydraspecError(f"tree path {list(p)} appears twice")
+        seen.add(t)
+    for t in seen:
+        if len(t) > 1 and t[:-1] not in seen:
+            raise HydraspecError(f"tree path {list(t)} has no parent path {list(t[:-1])}")
+    ordered = sorted(seen, key=lambda t: (len(t), t))
+    index = {t: i for i, t in enumerate(ordered)}
+    parents = tuple(index[t[:-1]] if len(t) > 1 else -1 for t in ordered)
+    ranks = tuple(t[-1] for t in ordered)
+    return parents, ranks
+
+
+def load_tree_spec(path_or_json) -> list[list[int]]:
+    if isinstance(path_or_json, (list, tuple)):
+        return [list(p) for p in path_or_json]
+    text = str(path_or_json)
+    p = Path(text)
+    try:
+        data = json.loads(p.read_text()) if p.exists() else json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HydraspecError(f"tree spec {text!r} is neither a JSON file nor JSON: {e}") from None
+    if isinstance(data, dict):
+        data = data.get("paths", data.get("tree"))
+    return [list(x) for x in data] if isinstance(data, list) else data
