@@ -186,8 +186,16 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    _quiet_transformers()
     try:
         rc = args.func(args)
     except HydraspecError as e:

@@ -1,0 +1,58 @@
+"""`hydraspec bench`: speed and agreement of decoding methods on Spec-Bench / MT-Bench style prompt files.
+
+    from hydraspec.bench import add_parser, run_bench
+    add_parser(subparsers)          # registers `bench`; its handler is args.func = run_bench
+    rc = run_bench(args)            # 0, or raises HydraspecError / KeyboardInterrupt
+"""
+from __future__ import annotations
+
+from .methods import METHODS, BenchContext, MethodSpec, Runner, TurnResult, parse_methods, register
+from .prompts import Question, load_prompt_file, load_questions
+from .runner import run_bench
+from .stats import summarize
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_METHODS = "ar,pld,hf-ar,hf-pld"
+
+
+def _cmd(args) -> int:
+    return run_bench(args)
+
+
+def add_parser(subparsers):
+    """Register `bench` on an argparse subparsers object; sets `func` so that `args.func(args)` runs it."""
+    known = ", ".join(METHODS)
+    p = subparsers.add_parser(
+        "bench", help="benchmark decoding methods on prompt files",
+        description="Answer every question (every turn, each method with its own earlier answers) with every "
+                    "method back to back, then report tokens/s, speedups, tokens per target forward and "
+                    "agreement with plain decoding. Resumable: rerun with the same --out to continue.")
+    p.add_argument("--model", required=True, help="target model (offline name, HF directory, .gguf file or hub id)")
+    p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (methods draft, hf-assisted)")
+    p.add_argument("--heads", metavar="DIR",
+                   help="trained Medusa/Hydra heads directory (methods medusa/hydra; not yet supported)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, metavar="M1,M2,...",
+                   help=f"comma-separated, run in this order (default {DEFAULT_METHODS}); known: {known}")
+    p.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
+                   help="Spec-Bench/MT-Bench jsonl files: {question_id, category, turns}; with several files ids "
+                        "are prefixed with the file name and a missing category is the file name")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="only the first N questions of each category (in file order)")
+    p.add_argument("--categories", metavar="A,B", help="comma-separated categories to keep (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples (top-p/top-k off) and answers are not compared")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, set before every prompt (default 0)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory: records.jsonl, results.json, results.md, speedup.png, answers/")
+    p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+    p.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed by prompt lookup (default 8)")
+    p.set_defaults(func=_cmd)
+    return p
+
+
+__all__ = ["add_parser", "run_bench", "METHODS", "MethodSpec", "BenchContext", "Runner", "TurnResult", "register",
+           "parse_methods", "Question", "load_prompt_file", "load_questions", "summarize"]

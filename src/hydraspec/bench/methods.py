@@ -1,0 +1,215 @@
+"""The methods a benchmark can run, in one registry.
+
+METHODS maps a name to a MethodSpec whose `factory(ctx)` builds a Runner for the loaded models; a
+Runner answers one prompt (token ids) and reports a TurnResult. A new method (e.g. 'medusa', 'hydra',
+'hydra++' with `needs_heads=True`) is one `register(MethodSpec(...))` call.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import HydraspecError
+
+
+@dataclass
+class TurnResult:
+    token_ids: list[int]  # new tokens; an EOS that ended the answer included
+    text: str
+    finish_reason: str  # "eos" | "length"
+    wall_s: float
+    prompt_tokens: int
+    target_forwards: int | None = None  # None: the method does not expose it
+    mean_accepted: float | None = None
+    accept_hist: list[int] | None = None  # index = tokens emitted per target forward
+    prefill_s: float | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
+    accept_s: float | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["new_tokens"] = self.new_tokens
+        return d
+
+
+@dataclass
+class BenchContext:
+    """What a method factory may use. draft: (model, tokenizer) of --draft-model or None."""
+
+    model: object
+    tokenizer: object
+    args: object
+    draft: tuple | None = None
+    heads: str | None = None
+    eos: list[int] = field(default_factory=list)
+
+
+class Runner:
+    def generate(self, ids: list[int], max_new_tokens: int, temperature: float, seed: int | None) -> TurnResult:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    factory: Callable[[BenchContext], Runner]
+    help: str = ""
+    needs_draft: bool = False
+    needs_heads: bool = False
+    settings: tuple[str, ...] = ()  # args attributes that change this method's answers or speed
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    METHODS[spec.name] = spec
+    return spec
+
+
+def parse_methods(text) -> list[str]:
+    """'ar,pld' (or a list) -> known method names, duplicates dropped, order kept."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names = list(dict.fromkeys(s.strip() for s in items if s and s.strip()))
+    if not names:
+        raise HydraspecError(f"no methods given; known: {', '.join(METHODS)}")
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise HydraspecError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}; "
+                             f"known: {', '.join(METHODS)}")
+    return names
+
+
+def method_settings(name: str, args) -> dict:
+    return {k: getattr(args, k, None) for k in METHODS[name].settings}
+
+
+def _sync(device) -> None:
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+# -- our engine -------------------------------------------------------------------------------------
+class EngineRunner(Runner):
+    def __init__(self, ctx: BenchContext, drafter):
+        from ..generator import SpeculativeGenerator
+
+        self.gen = SpeculativeGenerator(ctx.model, ctx.tokenizer, drafter=drafter)
+        self.device = ctx.model.device
+
+    def generate(self, ids, max_new_tokens, temperature, seed):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        res = self.gen.generate(input_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        _sync(self.device)
+        wall = time.perf_counter() - t0
+        s = res.stats
+        return TurnResult(token_ids=list(res.token_ids), text=res.text, finish_reason=res.finish_reason, wall_s=wall,
+                          prompt_tokens=len(ids), target_forwards=s.target_forwards, mean_accepted=s.mean_accepted,
+                          accept_hist=list(s.accept_hist), prefill_s=s.prefill_s, draft_s=s.draft_s,
+                          verify_s=s.verify_s, accept_s=s.accept_s)
+
+
+def _engine(method: str):
+    def factory(ctx: BenchContext) -> Runner:
+        from ..drafters import make_drafter
+
+        a = ctx.args
+        if method == "pld":
+            drafter = make_drafter("pld", num_tokens=a.pld_tokens)
+        elif method == "draft":
+            if ctx.draft is None:
+                raise HydraspecError("method 'draft' needs --draft-model")
+            dm, dtok = ctx.draft
+            drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
+                                   k=a.draft_k)
+        else:
+            drafter = make_drafter(method)
+        return EngineRunner(ctx, drafter)
+
+    return factory
+
+
+# -- stock transformers generate() ------------------------------------------------------------------
+class HFRunner(Runner):
+    """model.generate() with the engine's EOS ids, an all-ones attention mask and no logits processors
+    (repetition penalty etc. from the model's generation_config are switched off, so greedy `hf-ar` is
+    comparable token for token with `ar`). Sampling: temperature only, top-p/top-k off, and
+    torch.manual_seed(seed) before every prompt."""
+
+    def __init__(self, ctx: BenchContext, kind: str):
+        self.model, self.tok, self.kind = ctx.model, ctx.tokenizer, kind
+        self.eos = sorted(ctx.eos)
+        pad = getattr(ctx.tokenizer, "pad_token_id", None)
+        self.pad = pad if pad is not None else (self.eos[0] if self.eos else 0)
+        self.extra: dict = {}
+        if kind == "assisted":
+            if ctx.draft is None:
+                raise HydraspecError("method 'hf-assisted' needs --draft-model")
+            self.extra["assistant_model"] = ctx.draft[0]
+        elif kind == "pld":
+            self.extra["prompt_lookup_num_tokens"] = ctx.args.pld_tokens
+        gc = getattr(ctx.model, "generation_config", None)
+        self.has_min_p = getattr(gc, "min_p", None) is not None
+
+    def generate(self, ids, max_new_tokens, temperature, seed):
+        dev = self.model.device
+        x = torch.tensor([ids], dtype=torch.long, device=dev)
+        kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, min_new_tokens=0,
+                  eos_token_id=self.eos or None, pad_token_id=self.pad, num_beams=1, repetition_penalty=1.0,
+                  no_repeat_ngram_size=0, **self.extra)
+        if temperature > 0:
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, typical_p=1.0)
+            if self.has_min_p:
+                kw["min_p"] = 0.0
+        else:
+            kw["do_sample"] = False
+        if temperature > 0 and seed is not None:
+            torch.manual_seed(seed)
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(x, **kw)
+        new = out[0, len(ids):].tolist()
+        finish = "length"
+        eos = set(self.eos)
+        for i, t in enumerate(new):  # stop at EOS inclusive, like the engine
+            if t in eos:
+                new, finish = new[: i + 1], "eos"
+                break
+        text = self.tok.decode(new, skip_special_tokens=True)
+        _sync(dev)
+        wall = time.perf_counter() - t0
+        r = TurnResult(token_ids=new, text=text, finish_reason=finish, wall_s=wall, prompt_tokens=len(ids))
+        if self.kind == "ar":
+            # Plain decoding: the prefill forward produces token 1 and each later forward one more token,
+            # so forwards = new tokens and 1.0 token per forward (the engine's 'ar' reports the same).
+            r.target_forwards = len(new)
+            r.mean_accepted = 1.0 if new else 0.0
+            r.accept_hist = [0, len(new)]
+        # hf-assisted / hf-pld: transformers does not expose its forward count; left None.
+        return r
+
+
+def _hf(kind: str):
+    return lambda ctx: HFRunner(ctx, kind)
+
+
+register(MethodSpec("ar", _engine("ar"), "plain autoregressive decoding through the hydraspec engine"))
+register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--draft-model, --draft-k)",
+                    needs_draft=True, settings=("draft_model", "draft_k")))
+register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
+                    settings=("pld_tokens",)))
+register(MethodSpec("hf-ar", _hf("ar"), "transformers generate(), plain decoding"))
+register(MethodSpec("hf-assisted", _hf("assisted"), "transformers assisted generation with --draft-model",
+                    needs_draft=True, settings=("draft_model",)))
+register(MethodSpec("hf-pld", _hf("pld"), "transformers prompt lookup decoding (--pld-tokens)",
+                    settings=("pld_tokens",)))

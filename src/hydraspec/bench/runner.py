@@ -1,0 +1,149 @@
+"""The benchmark loop: every method answers every (question, turn) back to back, after one warm-up each."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..errors import HydraspecError
+from . import report, stats
+from .methods import METHODS, BenchContext, method_settings, parse_methods
+from .prompts import load_questions
+from .store import RecordStore
+
+WARMUP_TOKENS = 16
+
+
+def _split_list(text) -> list[str] | None:
+    if not text:
+        return None
+    items = text.split(",") if isinstance(text, str) else list(text)
+    return [s.strip() for s in items if s.strip()] or None
+
+
+def settings_of(args) -> dict:
+    return {
+        "model": args.model, "draft_model": getattr(args, "draft_model", None), "heads": getattr(args, "heads", None),
+        "dtype": args.dtype, "device": args.device, "max_new_tokens": args.max_new_tokens,
+        "temperature": float(args.temperature), "seed": args.seed, "draft_k": args.draft_k,
+        "pld_tokens": args.pld_tokens, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
+        "categories": _split_list(args.categories), "methods": parse_methods(args.methods),
+    }
+
+
+def check_args(args, methods: list[str]) -> None:
+    specs = [METHODS[m] for m in methods]
+    if getattr(args, "heads", None) and not any(s.needs_heads for s in specs):
+        raise HydraspecError("--heads is not yet supported: it is only used by the medusa/hydra methods, "
+                             "which this version does not provide")
+    need_heads = [s.name for s in specs if s.needs_heads]
+    if need_heads and not getattr(args, "heads", None):
+        raise HydraspecError(f"method{'s' if len(need_heads) > 1 else ''} {', '.join(need_heads)} need --heads")
+    need_draft = [s.name for s in specs if s.needs_draft]
+    if need_draft and not getattr(args, "draft_model", None):
+        raise HydraspecError(f"method{'s' if len(need_draft) > 1 else ''} {', '.join(need_draft)} "
+                             f"need{'' if len(need_draft) > 1 else 's'} --draft-model")
+    if args.max_new_tokens <= 0:
+        raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise HydraspecError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.draft_k < 1 or args.pld_tokens < 1:
+        raise HydraspecError("--draft-k and --pld-tokens must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        raise HydraspecError(f"--limit must be at least 1, got {args.limit}")
+
+
+def _default_loader(name, dtype, device):
+    from ..models import load_model
+
+    return load_model(name, dtype=dtype, device=device)
+
+
+def run_bench(args, loader=None) -> int:
+    """Run `hydraspec bench` (args as parsed by add_parser's sub-parser) and write its outputs to args.out.
+    loader(name, dtype=, device=) -> (model, tokenizer) defaults to hydraspec.models.load_model.
+    Returns 0; problems raise HydraspecError; KeyboardInterrupt propagates after saving what finished."""
+    import torch
+    from tqdm import tqdm
+
+    methods = parse_methods(args.methods)
+    check_args(args, methods)
+    questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories))
+    settings = settings_of(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise HydraspecError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    store = RecordStore(out / "records.jsonl", settings)
+    store.check_methods({m: method_settings(m, args) for m in methods})
+    done = store.done()
+    pending = [(q, [m for m in methods if (m, q.question_id) not in done]) for q in questions]
+    pending = [(q, ms) for q, ms in pending if ms]
+    n_units = sum(len(ms) for _, ms in pending)
+    skipped = len(questions) * len(methods) - n_units
+    if skipped:
+        print(f"resuming: {skipped} of {len(questions) * len(methods)} (question, method) answers are already "
+              f"in {store.path}", file=sys.stderr)
+
+    device = args.device
+    if pending:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        load = loader or _default_loader
+        model, tok = load(args.model, dtype=args.dtype, device=args.device)
+        device = str(model.device)
+        working = list(dict.fromkeys(m for _, ms in pending for m in ms))
+        draft = None
+        if any(METHODS[m].needs_draft for m in working):
+            draft = load(args.draft_model, dtype=args.dtype, device=args.device)
+        from ..generator import SpeculativeGenerator, eos_ids
+
+        ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),
+                           eos=sorted(eos_ids(model, tok)))
+        runners = {m: METHODS[m].factory(ctx) for m in working}
+        encoder = SpeculativeGenerator(model, tok)
+        seed = args.seed if args.temperature > 0 else None
+
+        def answer(m, q, t, messages, max_new):
+            try:
+                ids = encoder.encode(messages)
+                return runners[m].generate(ids, max_new, float(args.temperature), seed)
+            except HydraspecError as e:
+                raise HydraspecError(f"{m} on question {q.question_id!r} turn {t + 1}: {e}") from None
+
+        first = pending[0][0]
+        for m in working:  # warm-up: not recorded
+            answer(m, first, 0, [{"role": "user", "content": first.turns[0]}], min(WARMUP_TOKENS, args.max_new_tokens))
+
+        bar = tqdm(total=n_units, unit="answer", desc="bench", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        try:
+            for q, ms in pending:
+                convs = {m: [] for m in ms}
+                turns = {m: [] for m in ms}
+                for t, user in enumerate(q.turns):
+                    for m in ms:  # interleaved: every method on this turn back to back
+                        convs[m].append({"role": "user", "content": user})
+                        r = answer(m, q, t, convs[m], args.max_new_tokens)
+                        convs[m].append({"role": "assistant", "content": r.text})  # its own answer
+                        turns[m].append({"turn": t, **r.to_dict()})
+                        if t == len(q.turns) - 1:
+                            store.append({"method": m, "question_id": q.question_id, "category": q.category,
+                                          "source": q.source, "settings": method_settings(m, args),
+                                          "tstamp": time.time(), "turns": turns[m]})
+                            bar.update(1)
+        except KeyboardInterrupt:
+            bar.close()
+            print(f"\ninterrupted: {len(store.records)} finished answers are saved in {store.path}; "
+                  "rerun the same command to resume", file=sys.stderr)
+            raise
+        bar.close()
+
+    records = stats.dedupe(store.records)
+    summary = stats.summarize(records, methods, temperature=float(args.temperature), seed=args.seed)
+    annotated = stats.annotate(records, summary["reference"])
+    machine = report.machine_info(args.dtype, device)
+    paths = report.write_all(out, records, summary, machine, settings, annotated)
+    md = paths["md"].read_text(encoding="utf-8")
+    print(md.split("## Speedup over hf-ar")[0].rstrip())
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']} and {out / 'answers'}/", file=sys.stderr)
+    return 0

@@ -1,0 +1,84 @@
+"""The command line on tiny models saved to disk: output format and every user error."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import tiny
+from hydraspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny.make_model("llama", seed=0)
+    tok = tiny.make_tokenizer()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    tiny.noisy_copy(target, 0.05).save_pretrained(root / "draft")
+    tok.save_pretrained(root / "draft")
+    other = tiny.make_model("llama", seed=1, vocab=64)
+    other.save_pretrained(root / "other")
+    tiny.make_tokenizer(64).save_pretrained(root / "other")
+    return root
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_generate_json_has_the_promised_fields(saved, capsys):
+    rc, out, _ = run(capsys, "generate", "--model", str(saved / "target"), "--dtype", "float32",
+                     "--prompt", "w1 w2 w3 w1 w2", "--max-new-tokens", "12", "--method", "pld", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    for key in ("method", "text", "new_tokens", "target_forwards", "mean_accepted", "tokens_per_s"):
+        assert key in d
+    assert d["new_tokens"] == 12 and d["method"] == "pld"
+    assert d["mean_accepted"] == pytest.approx(d["new_tokens"] / d["target_forwards"], rel=1e-3)
+
+
+def test_draft_and_ar_agree_through_the_cli(saved, capsys):
+    common = ["generate", "--model", str(saved / "target"), "--dtype", "float32", "--prompt", "w5 w6 w7",
+              "--max-new-tokens", "16", "--json"]
+    _, ar, _ = run(capsys, *common, "--method", "ar")
+    _, dr, _ = run(capsys, *common, "--method", "draft", "--draft-model", str(saved / "draft"))
+    _, tr, _ = run(capsys, *common, "--method", "draft", "--draft-model", str(saved / "draft"), "--draft-tree", "2,2")
+    ar, dr, tr = json.loads(ar), json.loads(dr), json.loads(tr)
+    assert ar["token_ids"] == dr["token_ids"] == tr["token_ids"]
+    assert ar["mean_accepted"] == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model/dir", "--prompt", "w1"], "cannot load model"),
+    (["--prompt", "   "], "the prompt is empty"),
+    (["--prompt", "w1", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["--prompt", "w1", "--method", "beam"], "unknown method 'beam'; known: ar, draft, pld"),
+    (["--prompt", "w1", "--method", "draft"], "needs --draft-model"),
+    (["--prompt", "w1", "--method", "draft", "--draft-model", "OTHER"], "incompatible"),
+    (["--prompt-file", "/no/such/file.txt"], "cannot read prompt file"),
+])
+def test_user_errors_exit_nonzero_with_one_line(saved, capsys, args, message):
+    args = [str(saved / "other") if a == "OTHER" else a for a in args]
+    if "--model" not in args:
+        args = ["--model", str(saved / "target")] + args
+    rc, out, err = run(capsys, "generate", "--dtype", "float32", *args)
+    assert rc == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_flag_is_one_line_without_traceback(saved):
+    p = subprocess.run([sys.executable, "-m", "hydraspec.cli", "generate", "--model", str(saved / "target"),
+                        "--prompt", "w1", "--max-new-tokens", "ten"], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_context_overflow_is_a_clear_error(saved, capsys):
+    rc, _, err = run(capsys, "generate", "--model", str(saved / "target"), "--dtype", "float32",
+                     "--prompt", "w1 w2", "--max-new-tokens", "100000")
+    assert rc == 2 and "exceeds the model's context" in err
