@@ -56,6 +56,7 @@ class SlotLayer(CacheLayerMixin):
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    @torch.inference_mode()
     def keep(self, start: int, idx: torch.Tensor) -> None:
         """Keep positions [0, start) and then start+idx (sorted, ascending), dropping the rest."""
         n = idx.numel()
@@ -64,6 +65,8 @@ class SlotLayer(CacheLayerMixin):
             self.k_buf[:, :, start:start + n] = self.k_buf[:, :, src]
             self.v_buf[:, :, start:start + n] = self.v_buf[:, :, src]
         self.length = start + n
+        self.keys = self.k_buf[:, :, : self.length]
+        self.values = self.v_buf[:, :, : self.length]
 
     @staticmethod
     def _is_identity(idx: torch.Tensor) -> bool:

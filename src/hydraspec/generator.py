@@ -203,7 +203,6 @@ class SpeculativeGenerator:
             cache.keep(L, torch.tensor(acc.path, dtype=torch.long, device=dev))
             emitted = node_ids[acc.path[1:]].tolist() + [acc.next_token]
             stats.target_forwards += 1
-            stats.count(len(emitted))
 
             # stops: EOS (kept, nothing after it), token budget, stop strings
             cut = len(emitted)
@@ -222,6 +221,7 @@ class SpeculativeGenerator:
                     del new[hit:]
                     emitted = emitted[: max(0, hit - n_before)]
                     finish = "stop"
+            stats.count(len(emitted))
             if streamer is not None and emitted:
                 streamer.put(torch.tensor(emitted))
             state.tokens.extend(emitted)

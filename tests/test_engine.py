@@ -1,0 +1,406 @@
+"""Engine correctness on tiny random models: greedy speculative output == plain greedy decoding, tree
+verification == sequential forwards, KV-cache compaction == recomputation, and the tree helpers."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+
+import pytest
+import torch
+
+import tiny
+from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
+from hydraspec.cache import new_cache
+from hydraspec.drafters.draft_model import DraftModelDrafter
+from hydraspec.drafters.prompt_lookup import PromptLookupDrafter
+from hydraspec.generator import eos_ids
+from hydraspec.tree import DraftTree, chain, load_tree_spec, parents_from_paths, shape_of
+from hydraspec.verify import forward_nodes
+
+# (family, attention implementation, weight seed)
+CASES = [
+    ("llama", "sdpa", 1),
+    ("llama", "eager", 2),
+    ("qwen2", "sdpa", 3),
+    ("mistral", "sdpa", 4),
+    ("gemma", "sdpa", 5),
+]
+CASE_IDS = [f"{f}-{a}" for f, a, _ in CASES]
+
+N_NEW = 24
+NOISE = 0.1  # draft = target + 10% weight noise: accepts often, rejects sometimes
+
+
+@functools.lru_cache(maxsize=None)
+def draft_for(family, attn, seed):
+    return tiny.noisy_copy(tiny.cached_model(family, attn, seed), NOISE, seed=seed + 100)
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    rnd = torch.randint(0, tiny.VOCAB, (13,), generator=g).tolist()
+    single = [rnd[0]]
+    repetitive = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]  # prompt lookup finds n-gram matches right away
+    return [single, repetitive, rnd]
+
+
+# name -> (drafter factory(target, noisy draft), tokens one forward emits at most)
+METHODS = {
+    "ar": (lambda m, d: make_drafter("ar"), 1),
+    "pld": (lambda m, d: make_drafter("pld", num_tokens=5), 6),
+    "draft-chain": (lambda m, d: make_drafter("draft", d, k=4, dynamic=False), 5),
+    "draft-dynamic": (lambda m, d: make_drafter("draft", d, k=2, dynamic=True, max_k=6), 7),
+    "draft-tree": (lambda m, d: make_drafter("draft", d, widths=[3, 2, 1]), 4),
+    "self-chain": (lambda m, d: DraftModelDrafter(m, k=4, dynamic=False), 5),
+    "self-tree": (lambda m, d: DraftModelDrafter(m, widths=[2, 2, 1]), 4),
+}
+
+
+@contextlib.contextmanager
+def eos_set(model, tok, eos):
+    tiny.set_eos(model, eos, tok)
+    try:
+        yield
+    finally:
+        tiny.set_eos(model, None, tok)
+
+
+def run(model, tok, drafter, prompt, n):
+    return SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=n)
+
+
+def check_stats(r, cut_by_eos=False):
+    hist = r.stats.accept_hist
+    assert sum(hist) == r.stats.target_forwards
+    assert len(r.token_ids) == r.stats.new_tokens
+    counted = sum(i * c for i, c in enumerate(hist))
+    if cut_by_eos:  # see test_accept_hist_counts_tokens_emitted_before_eos
+        assert counted >= r.stats.new_tokens
+    else:
+        assert counted == r.stats.new_tokens
+
+
+# ---- 1. greedy equality ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,attn,seed", CASES, ids=CASE_IDS)
+def test_greedy_speculative_equals_autoregressive(family, attn, seed, tok):
+    model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
+    assert not eos_ids(model, tok)
+    runs = {name: [] for name in METHODS}
+    for prompt in prompts_for(seed):
+        ref = tiny.hf_greedy(model, prompt, N_NEW)
+        assert len(ref) == N_NEW
+        for name, (make, _) in METHODS.items():
+            r = run(model, tok, make(model, draft), prompt, N_NEW)
+            assert r.token_ids == ref, f"{name} diverges from greedy decoding on prompt {prompt}"
+            assert r.finish_reason == "length"
+            assert r.prompt_ids == prompt
+            check_stats(r)
+            runs[name].append(r.stats)
+
+    def mean(name):
+        st = runs[name]
+        return sum(s.new_tokens for s in st) / sum(s.target_forwards for s in st)
+
+    assert all(s.target_forwards == N_NEW for s in runs["ar"])
+    # a model drafting for itself is always right: every forward but the last (cut by the budget)
+    # emits the whole draft plus the bonus token
+    for name in ("self-chain", "self-tree"):
+        most = METHODS[name][1]
+        for s in runs[name]:
+            assert s.accept_hist[most] >= s.target_forwards - 1, (name, s.accept_hist)
+        assert mean(name) >= most - 1, name
+    # noisy drafts: drafts verified and accepted often, but rejections happened too
+    for name in ("draft-chain", "draft-dynamic", "draft-tree"):
+        assert mean(name) > 1.5, (name, mean(name))
+        most = METHODS[name][1]
+        assert any(sum(s.accept_hist[: most]) > 1 for s in runs[name]), (name, [s.accept_hist for s in runs[name]])
+    # prompt lookup drafted from the repetitive prompt / output and got something accepted
+    assert mean("pld") > 1.0
+
+
+@pytest.mark.parametrize("family,attn,seed", CASES, ids=CASE_IDS)
+def test_greedy_stops_right_after_eos(family, attn, seed, tok):
+    model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
+    n = 30
+    stopped_inside_a_draft = False
+    for prompt in prompts_for(seed):
+        free = run(model, tok, None, prompt, n).token_ids
+        eos = free[6]  # a token greedy decoding really emits mid-way
+        expect = free[: free.index(eos) + 1]
+        assert len(expect) < n
+        with eos_set(model, tok, eos):
+            assert eos_ids(model, tok) == {eos}
+            assert tiny.hf_greedy(model, prompt, n) == expect
+            for name, (make, _) in METHODS.items():
+                r = run(model, tok, make(model, draft), prompt, n)
+                assert r.token_ids == expect, f"{name}: expected a stop right after EOS {eos}"
+                assert r.finish_reason == "eos"
+                check_stats(r, cut_by_eos=True)
+                if name == "self-chain":
+                    # every self-draft is accepted, so the EOS arrives inside a fully accepted draft and
+                    # whatever followed it in that forward is dropped
+                    assert r.stats.target_forwards == -(-len(expect) // 5)
+                    stopped_inside_a_draft |= len(expect) % 5 != 0
+    assert stopped_inside_a_draft
+
+
+def test_accept_hist_counts_tokens_emitted_before_eos(tok):
+    """Stats says accept_hist[i] counts forwards that emitted i tokens, so sum(i * hist[i]) must equal
+    new_tokens. generate() calls stats.count(len(emitted)) before cutting `emitted` at the EOS (and at
+    stop strings), so the forward that found the EOS is counted with the tokens it dropped."""
+    family, attn, seed = CASES[0]
+    model = tiny.cached_model(family, attn, seed)
+    prompt = prompts_for(seed)[1]
+    free = run(model, tok, None, prompt, 12).token_ids
+    with eos_set(model, tok, free[6]):
+        r = run(model, tok, DraftModelDrafter(model, k=4, dynamic=False), prompt, 12)
+    assert r.finish_reason == "eos"
+    assert sum(i * c for i, c in enumerate(r.stats.accept_hist)) == r.stats.new_tokens
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7])
+def test_exact_length_for_small_budgets(n, tok):
+    family, attn, seed = CASES[0]
+    model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
+    prompt = prompts_for(seed)[1]
+    ref = run(model, tok, None, prompt, 12).token_ids
+    for name, (make, _) in METHODS.items():
+        r = run(model, tok, make(model, draft), prompt, n)
+        assert r.token_ids == ref[:n], name
+        assert r.finish_reason == "length"
+        check_stats(r)
+
+
+def test_generator_refuses_bad_arguments(tok):
+    model = tiny.cached_model(*CASES[0])
+    g = SpeculativeGenerator(model, tok)
+    with pytest.raises(HydraspecError):
+        g.generate(input_ids=[1, 2], max_new_tokens=0)
+    with pytest.raises(HydraspecError):
+        g.generate(input_ids=[], max_new_tokens=3)
+    with pytest.raises(HydraspecError):
+        g.generate(input_ids=[1, 2], max_new_tokens=3, top_p=0.0)
+    with pytest.raises(HydraspecError):
+        g.generate(input_ids=[1], max_new_tokens=model.config.max_position_embeddings)
+    with pytest.raises(HydraspecError):
+        SpeculativeGenerator(model, tok, acceptor="nope")
+    with pytest.raises(HydraspecError):
+        make_drafter("draft")
+    with pytest.raises(HydraspecError):
+        make_drafter("medusa-typo")
+
+
+# ---- 2./3. tree verification and cache compaction -----------------------------------------------
+
+
+def random_bfs_parents(n: int, rng: random.Random, multi_root: bool) -> tuple[int, ...]:
+    """Random parents in BFS order: a node's parent may be any earlier node that keeps depths
+    non-decreasing (or -1, for several roots, while still at depth 0)."""
+    parents, depth = [], []
+    for i in range(n):
+        if i == 0:
+            p = -1
+        else:
+            lo = depth[-1]
+            cands = [j for j in range(i) if depth[j] + 1 >= lo]
+            if multi_root and lo == 0:
+                cands.append(-1)
+            p = rng.choice(cands)
+        parents.append(p)
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return tuple(parents)
+
+
+
+
+
+@pytest.mark.parametrize("family,attn,seed", CASES, ids=CASE_IDS)
+def test_tree_forward_and_compaction_match_sequential(family, attn, seed):
+    model = tiny.cached_model(family, attn, seed)
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    for trial, prefix_len in enumerate([0, 1, 9]):
+        prefix = [rng.randrange(V) for _ in range(prefix_len)]
+        cache = new_cache(model, 64)
+        if prefix:
+            forward_nodes(model, cache, torch.tensor(prefix), torch.arange(prefix_len), None, 0)
+        seq = list(prefix)  # what the cache should now hold, token by token
+        for rnd in range(2):  # two verify rounds: the second runs over a compacted cache
+            n = rng.randint(6, 12)
+            parents = random_bfs_parents(n, rng, multi_root=(trial + rnd) % 2 == 1)
+            shape = shape_of(parents)
+            toks = [rng.randrange(V) for _ in range(n)]
+            L = len(seq)
+            assert cache.length == L
+            logits, _ = forward_nodes(model, cache, torch.tensor(toks), L + shape.depth,
+                                      None if shape.is_chain else shape.ancestors, L)
+            assert logits.shape == (n, V)
+            assert cache.length == L + n
+            for i in range(n):
+                path_toks = [toks[j] for j in shape.path_to(i)]
+                ref = tiny.full_logits(model, seq + path_toks)[-1]
+                torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4,
+                                           msg=lambda m: f"node {i} of tree {parents}: {m}")
+
+            # compact the cache to a random root-to-node path
+            node = rng.randrange(n)
+            path = shape.path_to(node)
+            with torch.inference_mode():  # the buffers are inference tensors (see test_keep_outside_inference_mode)
+                cache.keep(L, torch.tensor(path, dtype=torch.long))
+            seq += [toks[j] for j in path]
+            assert cache.length == len(seq)
+
+            fresh = new_cache(model, 64)
+            forward_nodes(model, fresh, torch.tensor(seq), torch.arange(len(seq)), None, 0)
+            for a, b in zip(cache.layers, fresh.layers, strict=True):
+                assert a.length == b.length == len(seq)
+                torch.testing.assert_close(a.k_buf[:, :, : a.length], b.k_buf[:, :, : b.length], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(a.v_buf[:, :, : a.length], b.v_buf[:, :, : b.length], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(a.keys[..., : a.length, :], b.keys[..., : b.length, :], atol=1e-5, rtol=1e-5)
+
+        # continue decoding from the compacted cache: same next-token logits as from scratch
+        nxt = rng.randrange(V)
+        lg, _ = forward_nodes(model, cache, torch.tensor([nxt]), torch.tensor([len(seq)]), None, len(seq))
+        torch.testing.assert_close(lg[-1], tiny.full_logits(model, seq + [nxt])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_keep_identity_and_empty_paths():
+    model = tiny.cached_model(*CASES[0])
+    prefix = [3, 1, 4, 1, 5]
+    toks = [9, 2, 6, 5]
+    for path in ([0, 1], [], [0, 1, 2, 3]):
+        cache = new_cache(model, 32)
+        forward_nodes(model, cache, torch.tensor(prefix), torch.arange(5), None, 0)
+        forward_nodes(model, cache, torch.tensor(toks), torch.arange(5, 9), None, 5)  # a chain
+        with torch.inference_mode():
+            cache.keep(5, torch.tensor(path, dtype=torch.long))
+        assert cache.length == 5 + len(path)
+        seq = prefix + [toks[i] for i in path]
+        lg, _ = forward_nodes(model, cache, torch.tensor([7]), torch.tensor([len(seq)]), None, len(seq))
+        torch.testing.assert_close(lg[-1], tiny.full_logits(model, seq + [7])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_keep_outside_inference_mode():
+    """forward_nodes runs under inference_mode, so the cache buffers it allocates are inference tensors;
+    SlotLayer.keep then does an in-place copy that torch refuses outside inference mode. generate() only
+    calls keep inside its own inference_mode, but keep is a public method of the cache."""
+    model = tiny.cached_model(*CASES[0])
+    cache = new_cache(model, 16)
+    forward_nodes(model, cache, torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 1, 2]),
+                  shape_of((-1, 0, 0, 1)).ancestors, 0)
+    cache.keep(0, torch.tensor([0, 2]))
+    assert cache.length == 2
+
+
+def test_cache_overflow_raises():
+    model = tiny.cached_model(*CASES[0])
+    cache = new_cache(model, 4)
+    with pytest.raises(RuntimeError, match="overflow"):
+        forward_nodes(model, cache, torch.arange(5), torch.arange(5), None, 0)
+
+
+# ---- 4. tree helpers ----------------------------------------------------------------------------
+
+
+def test_parents_from_paths_orders_breadth_first():
+    parents, ranks = parents_from_paths([[1, 0], [0], [0, 1], [1], [0, 0], [0, 0, 0]])
+    # BFS by (depth, ranks): [0] [1] [0,0] [0,1] [1,0] [0,0,0]
+    assert parents == (-1, -1, 0, 0, 1, 2)
+    assert ranks == (0, 1, 0, 1, 0, 0)
+    shape = shape_of(parents)  # the result is a valid BFS tree
+    assert shape.depth.tolist() == [0, 0, 1, 1, 1, 2]
+    assert parents_from_paths([[0]]) == ((-1,), (0,))
+    assert parents_from_paths(((0,), (0, 0))) == ((-1, 0), (0, 0))
+
+
+@pytest.mark.parametrize("spec,match", [
+    ([], "non-empty"),
+    ("[[0]]", "non-empty"),
+    ([[]], "bad tree path"),
+    ([[0], [-1]], "bad tree path"),
+    ([[0], [0.5]], "bad tree path"),
+    ([[0], ["0"]], "bad tree path"),
+    ([0, 1], "bad tree path"),
+    ([[0], [0, 0], [0]], "appears twice"),
+    ([[0], [1, 0]], "no parent path"),
+    ([[0], [0, 0, 0]], "no parent path"),
+])
+def test_parents_from_paths_rejects_bad_specs(spec, match):
+    with pytest.raises(HydraspecError, match=match):
+        parents_from_paths(spec)
+
+
+def test_shape_of_derived_fields():
+    parents = (-1, 0, 0, 1, 1, 2, 4)
+    s = shape_of(parents)
+    assert s.size == 7
+    assert s.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert s.children == ((1, 2), (3, 4), (5,), (), (6,), (), ())
+    assert s.roots == (0,)
+    assert not s.is_chain
+    expect = torch.zeros(7, 7, dtype=torch.bool)
+    for i in range(7):
+        j = i
+        while j >= 0:
+            expect[i, j] = True
+            j = parents[j]
+    assert torch.equal(s.ancestors, expect)
+    assert s.path_to(6) == [0, 1, 4, 6]
+    assert s.path_to(0) == [0]
+
+    c = shape_of(chain(5))
+    assert chain(5) == (-1, 0, 1, 2, 3)
+    assert c.is_chain and c.depth.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(c.ancestors, torch.ones(5, 5, dtype=torch.bool).tril())
+
+    m = shape_of((-1, -1, 0, 1))  # two roots
+    assert m.roots == (0, 1) and not m.is_chain
+    assert m.ancestors[3].tolist() == [False, True, False, True]
+    assert shape_of((-1, -1)).is_chain is False
+    assert shape_of(()).size == 0
+
+
+@pytest.mark.parametrize("parents", [
+    (0,),  # own parent
+    (-1, 1),  # parent after itself
+    (-1, 2, 0),  # parent comes later
+    (-2,),  # below -1
+    (-1, 0, 1, 0),  # depth 2 then depth 1: not breadth-first
+    (-1, 0, -1),  # a root after a depth-1 node
+])
+def test_shape_of_refuses_invalid_orders(parents):
+    with pytest.raises(ValueError):
+        shape_of(parents)
+
+
+def test_draft_tree_with_root_and_spec_loading(tmp_path):
+    t = DraftTree(torch.tensor([5, 6, 7]), (-1, -1, 0))
+    assert len(t) == 3
+    assert t.with_root() == (-1, 0, 0, 1)
+    shape_of(t.with_root())
+    assert DraftTree.empty().with_root() == (-1,)
+    assert load_tree_spec("[[0], [0, 0]]") == [[0], [0, 0]]
+    f = tmp_path / "tree.json"
+    f.write_text('{"paths": [[0], [1]]}')
+    assert load_tree_spec(str(f)) == [[0], [1]]
+    with pytest.raises(HydraspecError):
+        load_tree_spec("not json")
+
+
+def test_prompt_lookup_proposals():
+    from hydraspec.drafters.base import DecodeState
+    from hydraspec.sampling import Sampling
+
+    d = PromptLookupDrafter(num_tokens=3, max_ngram=2)
+    st = DecodeState(tokens=[1, 2, 3, 4, 9, 2, 3], prompt_len=7, sampling=Sampling())
+    t = d.propose(st)  # last bigram (2, 3) occurred at 1..2, followed by 4, 9, 2
+    assert t.tokens.tolist() == [4, 9, 2] and t.parents == chain(3) and t.q is None
+    st = DecodeState(tokens=[5], prompt_len=1, sampling=Sampling())
+    assert len(d.propose(st)) == 0
+    st = DecodeState(tokens=[1, 2, 3], prompt_len=3, sampling=Sampling())
+    assert len(d.propose(st)) == 0
+    with pytest.raises(ValueError):
+        PromptLookupDrafter(num_tokens=0)
