@@ -30,7 +30,7 @@ def add_method_args(p) -> None:
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
     p.add_argument("--no-dynamic", action="store_true", help="keep the draft length fixed at --draft-k")
     p.add_argument("--draft-tree", help="draft a tree instead of a chain: children per depth, e.g. 2,2,1")
-    p.add_argument("--draft-confidence", type=float, default=0.0,
+    p.add_argument("--draft-confidence", type=float, default=0.4,
                    help="greedy chain drafting stops when the draft's top probability falls below this")
     p.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed by prompt lookup (default 8)")
     p.add_argument("--pld-ngram", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")

@@ -36,7 +36,7 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model, k: int = 5, dynamic: bool = True, widths: list[int] | None = None,
-                 max_k: int = 16, confidence: float = 0.0):
+                 max_k: int = 16, confidence: float = 0.4):
         check_supported(model)
         self.model = model
         self.widths = list(widths) if widths else None
