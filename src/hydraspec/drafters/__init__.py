@@ -5,7 +5,7 @@ from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
 from .prompt_lookup import PromptLookupDrafter
 
-METHODS = ("ar", "draft", "pld")
+METHODS = ("ar", "draft", "pld", "medusa", "hydra")
 
 
 def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
@@ -21,4 +21,14 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         if target_tokenizer is not None and draft_tokenizer is not None:
             check_vocab(target_tokenizer, draft_tokenizer)
         return DraftModelDrafter(draft_model, **options)
+    if method in ("medusa", "hydra"):
+        heads, embed = options.get("heads"), options.get("embed")
+        if heads is None or embed is None:
+            raise HydraspecError(f"method '{method}' needs trained heads (--heads DIR)")
+        if heads.kind != method:
+            raise HydraspecError(f"--heads holds {heads.kind} heads, not {method} heads")
+        from ..heads import DEFAULT_TREE
+        from .heads import HeadDrafter
+
+        return HeadDrafter(heads, embed, options.get("tree") or DEFAULT_TREE)
     raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import torch
+
+from ..errors import HydraspecError
+from ..sampling import sample_without_replacement
+from ..tree import DraftTree, parents_from_paths, shape_of
+from .base import DecodeState, Drafter
+
+
+class HeadDrafter(Drafter):
+    """Medusa / Hydra drafting: a static token tree filled from draft heads on the target's hidden state.
+
+    The tree spec is a list of paths of sibling ranks (Medusa's "choices"). Depth d is filled by head
+    d - 1. Medusa heads ignore the path, so one call per depth serves every node; Hydra heads are called
+    once per depth for all parents at that depth, each with its own path embeddings. Greedy mode puts
+    the head's rank-r token at a rank-r node; sampling mode draws each parent's children without
+    replacement from the head's warped distribution and reports it as q, so acceptance stays lossless.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, heads, embed: torch.nn.Module, paths: list[list[int]]):
+        self.heads, self.embed = heads, embed
+        self.name = heads.kind
+        parents, ranks = parents_from_paths(paths)
+        shape = shape_of(parents)
+        depth = int(shape.depth.max()) + 1
+        if depth > heads.num_heads:
+            raise HydraspecError(f"tree depth {depth} exceeds the number of heads ({heads.num_heads})")
+        self.parents, self.ranks, self.shape = parents, ranks, shape
+        self.max_nodes = len(parents)
+        # static per-depth data: the parents to expand (-1 = the pending token) and their children
+        self.levels = []
+        for d in range(depth):
+            nodes = [i for i in range(len(parents)) if int(shape.depth[i]) == d]
+            par = sorted({parents[i] for i in nodes}, key=lambda p: (p >= 0, p))
+            kids = {p: [i for i in nodes if parents[i] == p] for p in par}
+            self.levels.append((par, kids))
+        self.paths = [shape.path_to(i) for i in range(len(parents))]
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        h = state.hidden
+        if h is None:
+            return DraftTree.empty()
+        greedy = state.sampling.greedy
+        n = len(self.parents)
+        tokens = [0] * n
+        qrows: list[torch.Tensor | None] = [None] * n
+        pending = state.tokens[-1]
+        for d, (par, kids) in enumerate(self.levels):
+            if self.heads.kind == "medusa":
+                lg = self.heads.logits(d, h[None]).float()
+                lg = lg.expand(len(par), -1)
+            else:
+                path_ids = [[pending] + [tokens[j] for j in (self.paths[p] if p >= 0 else [])] for p in par]
+                emb = self.embed(torch.tensor(path_ids, device=h.device))  # [P, d + 1, dim]
+                lg = self.heads.logits(d, h[None].expand(len(par), -1), emb).float()
+            for row, p in enumerate(par):
+                children = kids[p]
+                if greedy:
+                    need = max(self.ranks[c] for c in children) + 1
+                    top = torch.topk(lg[row], need).indices.tolist()
+                    for c in children:
+                        tokens[c] = top[self.ranks[c]]
+                else:
+                    probs = state.sampling.probs(lg[row])
+                    draws = sample_without_replacement(probs, len(children), state.generator).tolist()
+                    for c, x in zip(children, draws):
+                        tokens[c] = x
+                        qrows[c] = probs
+        if not greedy:
+            drawn = [i for i in range(n) if qrows[i] is not None]
+            if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
+                keep = _prefix_closed(self.parents, set(drawn))
+                return DraftTree(torch.tensor([tokens[i] for i in keep]), _reindex(self.parents, keep),
+                                 torch.stack([qrows[i] for i in keep]) if keep else None)
+            return DraftTree(torch.tensor(tokens), self.parents, torch.stack(qrows))
+        return DraftTree(torch.tensor(tokens), self.parents)
+
+
+def _prefix_closed(parents, present: set[int]) -> list[int]:
+    keep = []
+    for i, p in enumerate(parents):
+        if i in present and (p < 0 or p in keep):
+            keep.append(i)
+    return keep
+
+
+def _reindex(parents, keep: list[int]) -> tuple[int, ...]:
+    pos = {old: new for new, old in enumerate(keep)}
+    return tuple(-1 if parents[i] < 0 else pos[parents[i]] for i in keep)

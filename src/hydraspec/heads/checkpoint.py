@@ -1,0 +1,65 @@
+"""Heads checkpoints: safetensors weights + config.json (kind, sizes, base model, default tree)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import HydraspecError
+from .modules import KINDS, Heads
+
+FORMAT = "hydraspec-heads"
+DEFAULT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+
+
+def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False) -> Heads:
+    if kind not in KINDS:
+        raise HydraspecError(f"unknown head kind '{kind}'; known: {', '.join(KINDS)}")
+    cfg = model.config.get_text_config(decoder=True)
+    heads = KINDS[kind](cfg.hidden_size, cfg.vocab_size, num_heads=num_heads, num_layers=num_layers,
+                        lm_head=model.get_output_embeddings(), own_projection=own_projection)
+    return heads.to(model.device)
+
+
+def save_heads(heads: Heads, directory, base_model: str, tree: list[list[int]] | None = None, **extra) -> Path:
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    save_file(state, str(out / "heads.safetensors"))
+    cfg = {"format": FORMAT, "kind": heads.kind, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
+           "hidden_size": heads.hidden, "vocab_size": heads.vocab, "own_projection": heads.own_projection,
+           "base_model": base_model, "default_tree": tree or DEFAULT_TREE, **extra}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, dict]:
+    """Load heads for `model`; refuses heads trained for a model of another shape or name."""
+    d = Path(directory)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HydraspecError(f"cannot read heads config in '{d}': {e}") from None
+    if cfg.get("format") != FORMAT:
+        raise HydraspecError(f"'{d}' is not a hydraspec heads checkpoint")
+    mcfg = model.config.get_text_config(decoder=True)
+    if (cfg["hidden_size"], cfg["vocab_size"]) != (mcfg.hidden_size, mcfg.vocab_size):
+        raise HydraspecError(
+            f"heads in '{d}' were trained for '{cfg.get('base_model')}' (hidden {cfg['hidden_size']}, vocab "
+            f"{cfg['vocab_size']}); this model has hidden {mcfg.hidden_size}, vocab {mcfg.vocab_size}")
+    if base_model and cfg.get("base_model") and _norm(cfg["base_model"]) != _norm(base_model):
+        raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
+    heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"])
+    state = load_file(str(d / "heads.safetensors"))
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HydraspecError(f"heads checkpoint '{d}' does not match its config (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+    heads.to(device=model.device, dtype=model.dtype).eval()
+    return heads, cfg
+
+
+def _norm(name: str) -> str:
+    return Path(str(name)).name.lower().removesuffix(".gguf")

@@ -1,0 +1,98 @@
+"""Draft heads that sit on the target's last hidden state.
+
+Medusa (Cai et al. 2024): head k maps the hidden state h_t of the last verified token to the token
+k + 1 steps ahead through residual SiLU blocks and a vocabulary projection; heads are independent.
+Hydra (Ankner et al. 2024): head k also sees the input embeddings of the tokens already on the draft
+path, so its guess is conditioned on the earlier guesses. Hydra++ uses deeper (4-layer) head MLPs.
+The vocabulary projection is either the frozen base lm_head (shared: small checkpoints) or each
+head's own copy initialised from it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ResBlock(nn.Module):
+    """h + SiLU(W h + b), with W and b zero at init so that a fresh block is the identity."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+class Heads(nn.Module):
+    """Common part: K heads, each ending in a vocabulary projection (shared lm_head or its own)."""
+
+    kind = "base"
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, lm_head: nn.Module | None,
+                 own_projection: bool):
+        super().__init__()
+        self.hidden, self.vocab, self.num_heads, self.num_layers = hidden, vocab, num_heads, num_layers
+        self.own_projection = own_projection
+        if own_projection:
+            self.proj = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+            if lm_head is not None:
+                for p in self.proj:
+                    p.weight.data.copy_(lm_head.weight.data)
+            self._shared = None
+        else:
+            if lm_head is None:
+                raise ValueError("heads with a shared projection need the base model's lm_head")
+            self.proj = None
+            self._shared = [lm_head]  # a list keeps the frozen base head out of this module's parameters
+
+    def attach(self, lm_head: nn.Module) -> None:
+        if not self.own_projection:
+            self._shared = [lm_head]
+
+    def project(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        head = self.proj[k] if self.own_projection else self._shared[0]
+        return head(x.to(head.weight.dtype))
+
+
+class MedusaHeads(Heads):
+    kind = "medusa"
+
+    def __init__(self, hidden, vocab, num_heads=4, num_layers=1, lm_head=None, own_projection=False):
+        super().__init__(hidden, vocab, num_heads, num_layers, lm_head, own_projection)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
+
+    def features(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.blocks[k](hidden)
+
+    def logits(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [..., dim] base hidden state -> [..., vocab] logits of head k (0-based: k + 2 ahead)."""
+        return self.project(k, self.features(k, hidden))
+
+
+class HydraHeads(Heads):
+    """Head k (0-based) reads [h_t, e(x_{t+1}), ..., e(x_{t+k+1})]: the base hidden state and the input
+    embeddings of the k + 1 path tokens after it (the pending token and k drafted ones)."""
+
+    kind = "hydra"
+
+    def __init__(self, hidden, vocab, num_heads=4, num_layers=1, lm_head=None, own_projection=False):
+        super().__init__(hidden, vocab, num_heads, num_layers, lm_head, own_projection)
+        self.inp = nn.ModuleList(nn.Linear(hidden * (k + 2), hidden) for k in range(num_heads))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
+
+    def features(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., dim]; path_emb: [..., k + 1, dim] embeddings of the path tokens."""
+        x = torch.cat([hidden, path_emb.flatten(-2)], dim=-1)
+        return self.blocks[k](torch.nn.functional.silu(self.inp[k](x)) + hidden)
+
+    def logits(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
+        return self.project(k, self.features(k, hidden, path_emb))
+
+
+KINDS = {"medusa": MedusaHeads, "hydra": HydraHeads}

