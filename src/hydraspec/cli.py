@@ -23,6 +23,8 @@ def add_model_args(p) -> None:
     p.add_argument("--model", required=True, help="offline name (see `hydraspec models list`), HF directory, .gguf file or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--no-prepack", action="store_true",
+                   help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.kernels)")
 
 
 def add_method_args(p) -> None:
@@ -173,6 +175,7 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     d.add_argument("--dtype", default="float32", choices=DTYPES)
     d.add_argument("--device", default="auto", choices=DEVICES)
+    d.add_argument("--no-prepack", action="store_true", help="keep plain nn.Linear kernels on CPU")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--prompt", default=None)
     d.set_defaults(func=cmd_demo)
@@ -196,6 +199,8 @@ def _quiet_transformers() -> None:
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     _quiet_transformers()
+    if getattr(args, "no_prepack", False):
+        os.environ["HYDRASPEC_PREPACK"] = "0"
     try:
         rc = args.func(args)
     except HydraspecError as e:

@@ -679,6 +679,7 @@ def load_model(
     *,
     auto_pull: bool = False,
     progress: bool = True,
+    prepack: bool | None = None,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
 
@@ -713,4 +714,9 @@ def load_model(
     if dev != "cpu" and next(model.parameters()).device.type != dev:
         model.to(dev)
     model.eval()
+    if prepack or (prepack is None and os.environ.get("HYDRASPEC_PREPACK", "1") != "0"):
+        if str(model.device) == "cpu":
+            from .kernels import prepack as _prepack
+
+            _prepack(model)
     return model, tokenizer

@@ -46,6 +46,8 @@ def add_parser(subparsers):
     p.add_argument("--seed", type=int, default=0, help="sampling seed, set before every prompt (default 0)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--no-prepack", action="store_true",
+                   help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.kernels)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory: records.jsonl, results.json, results.md, speedup.png, answers/")
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
