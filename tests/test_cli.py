@@ -82,3 +82,21 @@ def test_context_overflow_is_a_clear_error(saved, capsys):
     rc, _, err = run(capsys, "generate", "--model", str(saved / "target"), "--dtype", "float32",
                      "--prompt", "w1 w2", "--max-new-tokens", "100000")
     assert rc == 2 and "exceeds the model's context" in err
+
+
+def test_head_methods_through_the_cli(saved, tmp_path, capsys):
+    from hydraspec.heads import build_heads, save_heads
+    from hydraspec.models import load_model
+
+    model, _ = load_model(str(saved / "target"), dtype="float32", device="cpu")
+    save_heads(build_heads("hydra", model, num_heads=3), tmp_path / "heads", base_model=str(saved / "target"),
+               tree=[[0], [0, 0], [1]])
+    common = ["generate", "--model", str(saved / "target"), "--dtype", "float32", "--prompt", "w5 w6 w7",
+              "--max-new-tokens", "10", "--json"]
+    _, ar, _ = run(capsys, *common)
+    rc, hy, _ = run(capsys, *common, "--method", "hydra", "--heads", str(tmp_path / "heads"))
+    assert rc == 0 and json.loads(hy)["token_ids"] == json.loads(ar)["token_ids"]
+    rc, _, err = run(capsys, *common, "--method", "medusa", "--heads", str(tmp_path / "heads"))
+    assert rc == 2 and "holds hydra heads, not medusa heads" in err
+    rc, _, err = run(capsys, *common, "--method", "hydra")
+    assert rc == 2 and "needs --heads DIR" in err

@@ -34,6 +34,8 @@ def add_method_args(p) -> None:
     p.add_argument("--draft-tree", help="draft a tree instead of a chain: children per depth, e.g. 2,2,1")
     p.add_argument("--draft-confidence", type=float, default=0.4,
                    help="greedy chain drafting stops when the draft's top probability falls below this")
+    p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra)")
+    p.add_argument("--tree", help="tree spec for head drafting: JSON file or JSON list of paths")
     p.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed by prompt lookup (default 8)")
     p.add_argument("--pld-ngram", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")
 
@@ -48,12 +50,21 @@ def add_sampling_args(p) -> None:
                         "typical is faster but does not preserve the distribution")
 
 
-def build_drafter(args, target_tok, draft=None):
+def build_drafter(args, target_tok, draft=None, model=None):
     from .drafters import METHODS, make_drafter
 
     method = args.method
     if method not in METHODS:
         raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")
+    if method in ("medusa", "hydra"):
+        from .heads import load_heads
+        from .tree import load_tree_spec
+
+        if not args.heads:
+            raise HydraspecError(f"method '{method}' needs --heads DIR")
+        heads, cfg = load_heads(args.heads, model, base_model=args.model)
+        tree = load_tree_spec(args.tree) if args.tree else cfg.get("default_tree")
+        return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=tree)
     if method == "pld":
         return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram)
     if method == "draft":
@@ -101,10 +112,12 @@ def cmd_generate(args) -> int:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method == "draft" and not args.draft_model:
         raise HydraspecError("method 'draft' needs --draft-model")
+    if args.method in ("medusa", "hydra") and not args.heads:
+        raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.method == "draft" else None
-    drafter = build_drafter(args, tok, draft)
+    drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     streamer = None
     if args.stream and not args.json:
@@ -151,7 +164,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer one prompt")
     add_model_args(g)
-    g.add_argument("--method", default="ar", help="ar | draft | pld")
+    g.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
