@@ -158,13 +158,15 @@ def test_missing_prompt_file(tmp_path):
 
 def test_methods_registry_and_args():
     assert parse_methods("ar, pld,ar") == ["ar", "pld"]
-    with pytest.raises(HydraspecError, match="known: ar, draft, pld, hf-ar, hf-assisted, hf-pld"):
-        parse_methods("ar,medusa")
+    with pytest.raises(HydraspecError, match="known: ar, draft, pld, medusa, hydra, hf-ar, hf-assisted, hf-pld"):
+        parse_methods("ar,beam")
     args = _parse(["--model", "m", "--prompts", "x.jsonl", "--out", "o"])
     assert args.methods == "ar,pld,hf-ar,hf-pld" and args.max_new_tokens == 128 and args.seed == 0
     assert args.func is not None and args.dtype == "bfloat16" and args.device == "auto"
-    with pytest.raises(HydraspecError, match="not yet supported"):
+    with pytest.raises(HydraspecError, match="only used by the medusa/hydra methods"):
         run_bench(_parse(["--model", "m", "--prompts", "x.jsonl", "--out", "o", "--heads", "h"]))
+    with pytest.raises(HydraspecError, match="medusa need --heads"):
+        run_bench(_parse(["--model", "m", "--prompts", "x.jsonl", "--out", "o", "--methods", "ar,medusa"]))
     with pytest.raises(HydraspecError, match="need --draft-model"):
         run_bench(_parse(["--model", "m", "--prompts", "x.jsonl", "--out", "o", "--methods", "ar,hf-assisted,draft"]))
 
@@ -307,3 +309,15 @@ def test_resume_after_interrupt(tiny, prompts, tmp_path, monkeypatch):
         run_bench(_bench_args(prompts, out, "ar,pld", "--max-new-tokens", "16"), loader=tiny)
     with pytest.raises(HydraspecError, match="'pld' answers made with"):
         run_bench(_bench_args(prompts, out, "ar,pld", "--pld-tokens", "4"), loader=tiny)
+
+
+def test_head_methods_in_the_bench(tiny, prompts, tmp_path):
+    from hydraspec.heads import build_heads, save_heads
+
+    model, _ = tiny("tiny", "float32", "cpu")
+    save_heads(build_heads("medusa", model, num_heads=2), tmp_path / "m", base_model="tiny", tree=[[0], [1], [0, 0]])
+    out = tmp_path / "heads-run"
+    args = _bench_args(prompts, out, "ar,medusa", "--heads", str(tmp_path / "m"))
+    assert run_bench(args, loader=tiny) == 0
+    s = json.loads((out / "results.json").read_text())["summary"]
+    assert s["table"]["medusa"]["overall"]["identical_share"] == 1.0

@@ -31,7 +31,9 @@ def add_parser(subparsers):
     p.add_argument("--model", required=True, help="target model (offline name, HF directory, .gguf file or hub id)")
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (methods draft, hf-assisted)")
     p.add_argument("--heads", metavar="DIR",
-                   help="trained Medusa/Hydra heads directory (methods medusa/hydra; not yet supported)")
+                   help="trained Medusa/Hydra heads directory (methods medusa, hydra)")
+    p.add_argument("--tree", help="tree spec for the head methods: JSON file or JSON list of paths "
+                                  "(default: the heads' own default tree)")
     p.add_argument("--methods", default=DEFAULT_METHODS, metavar="M1,M2,...",
                    help=f"comma-separated, run in this order (default {DEFAULT_METHODS}); known: {known}")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",

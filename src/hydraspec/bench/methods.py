@@ -138,6 +138,21 @@ def _engine(method: str):
     return factory
 
 
+def _heads(method: str):
+    def factory(ctx: BenchContext) -> Runner:
+        from ..drafters import make_drafter
+        from ..heads import load_heads
+        from ..tree import load_tree_spec
+
+        heads, cfg = load_heads(ctx.heads, ctx.model, base_model=ctx.args.model)
+        spec = getattr(ctx.args, "tree", None)
+        tree = load_tree_spec(spec) if spec else cfg.get("default_tree")
+        drafter = make_drafter(method, heads=heads, embed=ctx.model.get_input_embeddings(), tree=tree)
+        return EngineRunner(ctx, drafter)
+
+    return factory
+
+
 # -- stock transformers generate() ------------------------------------------------------------------
 class HFRunner(Runner):
     """model.generate() with the engine's EOS ids, an all-ones attention mask and no logits processors
@@ -208,6 +223,10 @@ register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--
                     needs_draft=True, settings=("draft_model", "draft_k")))
 register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
                     settings=("pld_tokens",)))
+register(MethodSpec("medusa", _heads("medusa"), "hydraspec with Medusa heads (--heads, --tree)",
+                    needs_heads=True, settings=("heads", "tree")))
+register(MethodSpec("hydra", _heads("hydra"), "hydraspec with Hydra heads (--heads, --tree)",
+                    needs_heads=True, settings=("heads", "tree")))
 register(MethodSpec("hf-ar", _hf("ar"), "transformers generate(), plain decoding"))
 register(MethodSpec("hf-assisted", _hf("assisted"), "transformers assisted generation with --draft-model",
                     needs_draft=True, settings=("draft_model",)))

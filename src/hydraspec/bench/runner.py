@@ -25,6 +25,7 @@ def _split_list(text) -> list[str] | None:
 def settings_of(args) -> dict:
     return {
         "model": args.model, "draft_model": getattr(args, "draft_model", None), "heads": getattr(args, "heads", None),
+        "tree": getattr(args, "tree", None),
         "dtype": args.dtype, "device": args.device, "max_new_tokens": args.max_new_tokens,
         "temperature": float(args.temperature), "seed": args.seed, "draft_k": args.draft_k,
         "pld_tokens": args.pld_tokens, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
@@ -35,8 +36,7 @@ def settings_of(args) -> dict:
 def check_args(args, methods: list[str]) -> None:
     specs = [METHODS[m] for m in methods]
     if getattr(args, "heads", None) and not any(s.needs_heads for s in specs):
-        raise HydraspecError("--heads is not yet supported: it is only used by the medusa/hydra methods, "
-                             "which this version does not provide")
+        raise HydraspecError("--heads is only used by the medusa/hydra methods; add one to --methods")
     need_heads = [s.name for s in specs if s.needs_heads]
     if need_heads and not getattr(args, "heads", None):
         raise HydraspecError(f"method{'s' if len(need_heads) > 1 else ''} {', '.join(need_heads)} need --heads")
