@@ -36,8 +36,9 @@ def add_method_args(p) -> None:
                    help="greedy chain drafting stops when the draft's top probability falls below this")
     p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra)")
     p.add_argument("--tree", help="tree spec for head drafting: JSON file or JSON list of paths")
-    p.add_argument("--pld-tokens", type=int, default=8, help="tokens proposed by prompt lookup (default 8)")
+    p.add_argument("--pld-tokens", type=int, default=10, help="most tokens prompt lookup proposes (default 10)")
     p.add_argument("--pld-ngram", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")
+    p.add_argument("--pld-min-ngram", type=int, default=2, help="shortest n-gram it matches (default 2)")
 
 
 def add_sampling_args(p) -> None:
@@ -66,7 +67,8 @@ def build_drafter(args, target_tok, draft=None, model=None):
         tree = load_tree_spec(args.tree) if args.tree else cfg.get("default_tree")
         return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=tree)
     if method == "pld":
-        return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram)
+        return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram,
+                            min_ngram=args.pld_min_ngram)
     if method == "draft":
         if draft is None:
             raise HydraspecError("method 'draft' needs --draft-model")

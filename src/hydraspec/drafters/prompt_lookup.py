@@ -9,15 +9,27 @@ from .base import DecodeState, Drafter
 class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n-gram of
     prompt + output (n from max_ngram down to min_ngram) and propose the tokens that followed it.
-    Deterministic (q is one-hot), so lossless sampling stays exact."""
+    With `dynamic`, the proposal length follows the draft-model heuristic: +2 after a step that
+    accepted everything, -1 otherwise, between 1 and num_tokens. Deterministic (q is one-hot), so
+    lossless sampling stays exact."""
 
     name = "pld"
 
-    def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 2, dynamic: bool = True):
         if num_tokens < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError("prompt lookup needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
+        self.dynamic = dynamic
+        self.k = num_tokens
+        self.proposed = 0
         self.max_nodes = num_tokens
+
+    def start(self, state: DecodeState, capacity: int) -> None:
+        self.k = self.num_tokens
+
+    def observe(self, state: DecodeState, accepted: list[int]) -> None:
+        if self.dynamic and self.proposed:
+            self.k = min(self.k + 2, self.num_tokens) if len(accepted) == self.proposed else max(1, self.k - 1)
 
     def propose(self, state: DecodeState) -> DraftTree:
         t = torch.tensor(state.tokens, dtype=torch.long)
@@ -27,6 +39,8 @@ class PromptLookupDrafter(Drafter):
             hits = (windows == t[-n:]).all(1).nonzero().flatten()
             if hits.numel():
                 start = int(hits[-1]) + n
-                cand = t[start: start + self.num_tokens]
+                cand = t[start: start + self.k]
+                self.proposed = cand.numel()
                 return DraftTree(cand, chain(cand.numel()))
+        self.proposed = 0
         return DraftTree.empty()
