@@ -107,3 +107,24 @@ def test_tree_deeper_than_heads_is_refused():
     heads = build_heads("medusa", model, num_heads=2)
     with pytest.raises(HydraspecError, match="exceeds the number of heads"):
         make_drafter("medusa", heads=heads, embed=model.get_input_embeddings(), tree=[[0], [0, 0], [0, 0, 0]])
+
+
+def test_medusa_format_round_trip(tmp_path):
+    from hydraspec.heads.medusa_format import export_medusa, import_medusa
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = build_heads("medusa", model, num_heads=3, num_layers=2)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    export_medusa(heads, tmp_path / "fd", base_model="tiny-llama")
+    names = set(__import__("safetensors.torch").torch.load_file(str(tmp_path / "fd" / "medusa_lm_head.safetensors")))
+    assert {"0.0.linear.weight", "0.1.linear.bias", "2.2.weight"} <= names
+    back, cfg = import_medusa(tmp_path / "fd", model)
+    assert cfg["base_model"] == "tiny-llama" and back.own_projection
+    h = torch.randn(4, model.config.hidden_size)
+    for k in range(3):
+        torch.testing.assert_close(back.logits(k, h), heads.logits(k, h))
+    other = tiny.make_model("llama", hidden=32, heads=4, kv_heads=2)
+    with pytest.raises(HydraspecError, match="this model has hidden 32"):
+        import_medusa(tmp_path / "fd", other)
