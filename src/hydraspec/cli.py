@@ -154,6 +154,36 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_train_heads(args) -> int:
+    import torch
+
+    from .bench.prompts import load_questions
+    from .models import load_model
+    from .train import answer_prompts, train_heads
+
+    if args.epochs < 1 or args.num_heads < 1 or args.num_layers < 1:
+        raise HydraspecError("--epochs, --num-heads and --num-layers must be at least 1")
+    questions = load_questions(args.prompts, limit=args.limit)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    out = args.out
+    data = os.path.join(out, "answers.jsonl")
+    print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts)} -> {data}",
+          file=sys.stderr)
+    answer_prompts(model, tok, [(f"{q.source}-{q.question_id}", q.turns) for q in questions], data,
+                   max_new_tokens=args.max_new_tokens)
+    kind, distill, layers = args.kind, False, args.num_layers
+    if kind == "hydra++":
+        kind, distill, layers = "hydra", True, max(layers, 4)
+    res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
+                      num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout)
+    last = [json.loads(x) for x in open(res["log"])][-1]
+    for h in last["heads"]:
+        print(f"head {h['head']}: held-out top-1 {h['top1']:.3f}, top-5 {h['top5']:.3f} over {h['n']} targets")
+    print(f"heads saved in {out}; use them with --method {kind} --heads {out}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -185,6 +215,22 @@ def make_parser() -> argparse.ArgumentParser:
     mp.add_argument("name")
     mp.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     m.set_defaults(func=cmd_models)
+
+    t = sub.add_parser("train-heads", help="self-distil and train Medusa/Hydra draft heads (frozen base)")
+    add_model_args(t)
+    t.add_argument("--kind", required=True, choices=("medusa", "hydra", "hydra++"),
+                   help="hydra++ = 4-layer Hydra heads distilled from the base distribution "
+                        "(the extra prefix-attention layer is not implemented yet)")
+    t.add_argument("--prompts", nargs="+", required=True, help="Spec-Bench-format jsonl files (first turns used)")
+    t.add_argument("--out", required=True, help="directory for data, checkpoints and the training log")
+    t.add_argument("--limit", type=int, help="first N prompts of each category")
+    t.add_argument("--max-new-tokens", type=int, default=256)
+    t.add_argument("--num-heads", type=int, default=4)
+    t.add_argument("--num-layers", type=int, default=1)
+    t.add_argument("--epochs", type=int, default=2)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--heldout", type=float, default=0.1, help="share of prompts held out for accuracy")
+    t.set_defaults(func=cmd_train_heads)
 
     d = sub.add_parser("demo", help="the default model answering with and without speculation")
     d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

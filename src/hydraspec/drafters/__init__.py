@@ -27,8 +27,8 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
             raise HydraspecError(f"method '{method}' needs trained heads (--heads DIR)")
         if heads.kind != method:
             raise HydraspecError(f"--heads holds {heads.kind} heads, not {method} heads")
-        from ..heads import DEFAULT_TREE
+        from ..heads.checkpoint import default_tree
         from .heads import HeadDrafter
 
-        return HeadDrafter(heads, embed, options.get("tree") or DEFAULT_TREE)
+        return HeadDrafter(heads, embed, options.get("tree") or default_tree(heads.num_heads))
     raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")

@@ -14,6 +14,10 @@ FORMAT = "hydraspec-heads"
 DEFAULT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
+def default_tree(num_heads: int) -> list[list[int]]:
+    return [p for p in DEFAULT_TREE if len(p) <= num_heads]
+
+
 def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False) -> Heads:
     if kind not in KINDS:
         raise HydraspecError(f"unknown head kind '{kind}'; known: {', '.join(KINDS)}")
@@ -30,7 +34,7 @@ def save_heads(heads: Heads, directory, base_model: str, tree: list[list[int]] |
     save_file(state, str(out / "heads.safetensors"))
     cfg = {"format": FORMAT, "kind": heads.kind, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
            "hidden_size": heads.hidden, "vocab_size": heads.vocab, "own_projection": heads.own_projection,
-           "base_model": base_model, "default_tree": tree or DEFAULT_TREE, **extra}
+           "base_model": base_model, "default_tree": tree or default_tree(heads.num_heads), **extra}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
