@@ -100,3 +100,18 @@ def test_head_methods_through_the_cli(saved, tmp_path, capsys):
     assert rc == 2 and "holds hydra heads, not medusa heads" in err
     rc, _, err = run(capsys, *common, "--method", "hydra")
     assert rc == 2 and "needs --heads DIR" in err
+
+
+def test_train_heads_command(saved, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w{i + 1} w{i + 2}"]})
+                                 for i in range(5)))
+    out = tmp_path / "heads"
+    rc, stdout, _ = run(capsys, "train-heads", "--model", str(saved / "target"), "--dtype", "float32", "--kind",
+                        "hydra++", "--prompts", str(prompts), "--out", str(out), "--epochs", "1",
+                        "--max-new-tokens", "8", "--num-heads", "2", "--heldout", "0.5")
+    assert rc == 0
+    assert "head 1: held-out top-1" in stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["kind"] == "hydra" and cfg["num_layers"] == 4 and cfg["num_heads"] == 2
+    assert len((out / "answers.jsonl").read_text().splitlines()) == 5
