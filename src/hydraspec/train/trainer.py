@@ -80,7 +80,8 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             acc.backward(loss)
             opt.step()
             opt.zero_grad()
-            running = 0.9 * running + 0.1 * float(loss) if i else float(loss)
+            lv = float(loss.detach())
+            running = 0.9 * running + 0.1 * lv if i else lv
             bar.set_postfix(loss=f"{running:.3f}")
         h = acc.unwrap_model(heads)
         metrics = evaluate(h, model, test, distill, max_len) if test else []
