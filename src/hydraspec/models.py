@@ -715,7 +715,7 @@ def load_model(
         model.to(dev)
     model.eval()
     if prepack or (prepack is None and os.environ.get("HYDRASPEC_PREPACK", "1") != "0"):
-        if str(model.device) == "cpu":
+        if dev == "cpu":
             from .kernels import prepack as _prepack
 
             _prepack(model)
