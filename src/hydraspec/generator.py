@@ -176,16 +176,10 @@ class SpeculativeGenerator:
             t0 = time.perf_counter()
             tree = drafter.propose(state)
             remaining = max_new_tokens - len(new)
-            if len(tree) and remaining <= 1:
-                tree = tree.__class__(tree.tokens[:0], (), None)
-            parents = tree.with_root()
-            shape = shape_of(parents)
-            if len(tree) and int(shape.depth[-1]) > remaining - 1:  # no drafting past the budget
-                keep = int((shape.depth <= remaining - 1).sum())
-                tree = tree.__class__(tree.tokens[: keep - 1], tree.parents[: keep - 1],
-                                      None if tree.q is None else tree.q[: keep - 1])
-                parents = tree.with_root()
-                shape = shape_of(parents)
+            shape = shape_of(tree.with_root())
+            if int(shape.depth[-1]) > remaining - 1:  # no drafting past the token budget
+                tree = tree.head(int((shape.depth <= remaining - 1).sum()) - 1)
+                shape = shape_of(tree.with_root())
             t1 = time.perf_counter()
 
             L = cache.length

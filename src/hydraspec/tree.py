@@ -94,6 +94,10 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.parents)
 
+    def head(self, n: int) -> "DraftTree":
+        """The first n nodes (a BFS prefix is a tree again)."""
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.q is None else self.q[:n])
+
     def with_root(self) -> tuple[int, ...]:
         """Parents of the verify tree: node 0 is the pending token, drafts follow shifted by one."""
         return (-1,) + tuple(p + 1 for p in self.parents)
