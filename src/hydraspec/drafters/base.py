@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +18,6 @@ class DecodeState:
     sampling: Sampling
     generator: torch.Generator | None = None
     hidden: torch.Tensor | None = None  # [dim]
-    extra: dict = field(default_factory=dict)
 
 
 class Drafter:

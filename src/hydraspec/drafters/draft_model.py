@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..cache import new_cache
@@ -45,6 +47,7 @@ class DraftModelDrafter(Drafter):
         self.k0, self.k, self.max_k = k, k, max_k
         self.dynamic = dynamic and not self.widths
         self.confidence = confidence
+        self.log_confidence = math.log(confidence) if confidence > 0 else float("-inf")
         if self.widths:
             n, level = 0, 1
             for w in self.widths:
@@ -84,7 +87,7 @@ class DraftModelDrafter(Drafter):
                 if greedy:
                     top = torch.topk(lg, width)
                     if self.confidence > 0 and not self.widths:
-                        if top.values[0].item() - torch.logsumexp(lg, -1).item() < _log(self.confidence):
+                        if top.values[0].item() - torch.logsumexp(lg, -1).item() < self.log_confidence:
                             if tokens:  # always propose at least one token
                                 continue
                     cand = top.indices
@@ -120,8 +123,3 @@ class DraftModelDrafter(Drafter):
         if self.dynamic:
             self.k = min(self.k + 2, self.max_k) if len(accepted) >= self.k else max(1, self.k - 1)
 
-
-def _log(x: float) -> float:
-    import math
-
-    return math.log(x)
