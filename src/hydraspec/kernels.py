@@ -1,4 +1,5 @@
-"""Faster CPU matmuls for the stock model classes: oneDNN-prepacked Linear weights.
+"""Faster CPU matmuls for the stock model classes: oneDNN-prepacked Linear weights, and a small
+native kernel for bf16 weights on AVX-512 CPUs without native bf16 arithmetic.
 
 A plain `nn.Linear` on CPU repacks its weight into the GEMM kernel's blocked layout on every call;
 for the few rows of a decoding step that repacking, not the arithmetic or the weight read, dominates.
@@ -7,11 +8,91 @@ model classes themselves stay the stock transformers ones). Measured on a 2-core
 native bf16, per [8960 x 1536] weight: fp32 costs about the same for 1..8 rows (memory bound, as
 speculative decoding assumes) instead of growing with the rows; bf16 single rows get ~1.6x faster.
 Row counts where the plain kernel measured faster keep using it. The results equal plain Linear up to float rounding.
+
+bf16 weights with more rows are the weak spot of oneDNN on CPUs that emulate bf16: its cost grows
+with every row (a Qwen2.5-1.5B forward: 256 ms for 1 token, 1185 ms for 8), which defeats
+speculative verification. `csrc/bf16_linear.c` multiplies bf16 weights with up to
+`NATIVE_MAX_ROWS` fp32 activation rows while reading the weight once; it is compiled on first use
+with the system C compiler into the hydraspec home (`kernels/`) and used when the CPU has AVX-512
+(set HYDRASPEC_NATIVE=0 to turn it off). Without a compiler or AVX-512 everything falls back to
+oneDNN, only slower.
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
 import torch
 from torch import nn
+
+NATIVE_MAX_ROWS = 192  # above this (long prefills) widening the weight to fp32 once per call is faster
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-shared", "-fPIC"]
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags and " avx512bw" in flags and " avx512vl" in flags
+
+
+@lru_cache(maxsize=1)
+def native_lib():
+    """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""
+    if os.environ.get("HYDRASPEC_NATIVE", "1") == "0" or not _cpu_has_avx512():
+        return None
+    src = Path(__file__).with_name("csrc") / "bf16_linear.c"
+    if not src.exists():
+        return None
+    from .models import hydraspec_home
+
+    text = src.read_bytes()
+    key = hashlib.sha256(text + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    out_dir = hydraspec_home() / "kernels"
+    so = out_dir / f"bf16_linear-{key}.so"
+    if not so.exists():
+        cc = os.environ.get("CC", "cc")
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+                tmp_so = Path(tmp) / so.name
+                for extra in (["-fopenmp"], []):  # OpenMP splits the rows over cores when present
+                    res = subprocess.run([cc, *_CFLAGS, *extra, str(src), "-o", str(tmp_so)],
+                                         capture_output=True, text=True)
+                    if res.returncode == 0:
+                        break
+                else:
+                    warnings.warn(f"hydraspec: could not compile the bf16 CPU kernel ({res.stderr.strip()[:200]}); "
+                                  "using oneDNN (slower verify steps in bf16)", stacklevel=2)
+                    return None
+                os.replace(tmp_so, so)  # atomic: a half-written library is never loaded
+        except (OSError, subprocess.SubprocessError) as exc:
+            warnings.warn(f"hydraspec: could not compile the bf16 CPU kernel ({exc}); using oneDNN", stacklevel=2)
+            return None
+    lib = ctypes.CDLL(str(so))
+    fn = lib.hs_linear_bf16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
+    """y = x2 @ weight.T (+ bias) with the native kernel; x2 [rows, in] any float dtype, weight bf16
+    [out, in] contiguous; returns fp32 [rows, out]."""
+    fn = native_lib()
+    xf = x2.to(torch.float32).contiguous()
+    y = torch.empty(xf.shape[0], weight.shape[0], dtype=torch.float32)
+    fn(xf.data_ptr(), xf.shape[0], xf.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr(),
+       None if bias32 is None else bias32.data_ptr(), torch.get_num_threads())
+    return y
 
 
 def available() -> bool:
@@ -24,21 +105,35 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight = lin.weight  # kept: tied embeddings and shared-lm_head draft heads read it
         self.bias = lin.bias
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
+        self.native = (lin.weight.dtype == torch.bfloat16 and lin.weight.is_contiguous()
+                       and native_lib() is not None)
+        self.bias32 = lin.bias.detach().float().contiguous() if self.native and lin.bias is not None else None
+        self.packed = None
+        if not self.native:  # the native kernel needs no second copy of the weight
+            with torch.no_grad():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
         # row counts where the plain kernel measured faster (2-core AVX-512 CPU, no native bf16)
         self.plain_rows = (2, 3) if lin.weight.dtype == torch.bfloat16 else (1, 2, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] in self.plain_rows or x.dtype != self.weight.dtype or torch.is_grad_enabled():
+        if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
+            return nn.functional.linear(x, self.weight, self.bias)
+        if self.native:
+            if x2.shape[0] <= NATIVE_MAX_ROWS:
+                y = native_linear_bf16(x2, self.weight, self.bias32)
+            else:  # many rows: widen the weight once and use the fp32 GEMM (faster than emulated bf16)
+                y = nn.functional.linear(x2.float(), self.weight.float(), self.bias32)
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if x2.shape[0] in self.plain_rows:
             return nn.functional.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, prepacked"
+        kind = "native bf16 kernel" if self.native else "prepacked"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 def prepack(model: nn.Module) -> int:
