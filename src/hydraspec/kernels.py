@@ -80,18 +80,18 @@ def native_lib():
     fn = lib.hs_linear_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
+    fn.restype = ctypes.c_int
     return fn
 
 
 def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
-    """y = x2 @ weight.T (+ bias) with the native kernel; x2 [rows, in] any float dtype, weight bf16
-    [out, in] contiguous; returns fp32 [rows, out]."""
-    fn = native_lib()
-    xf = x2.to(torch.float32).contiguous()
-    y = torch.empty(xf.shape[0], weight.shape[0], dtype=torch.float32)
-    fn(xf.data_ptr(), xf.shape[0], xf.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr(),
-       None if bias32 is None else bias32.data_ptr(), torch.get_num_threads())
+    """y = x2 @ weight.T (+ bias) with the native kernel; x2 [rows, in] and weight [out, in] bf16,
+    bias32 fp32 or None; returns bf16 [rows, out] (fp32 accumulation, rounded once)."""
+    x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    if native_lib()(x2.data_ptr(), x2.shape[0], x2.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr(),
+                    None if bias32 is None else bias32.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("hydraspec bf16 kernel: out of memory")
     return y
 
 
@@ -116,17 +116,18 @@ class PackedLinear(nn.Module):
         self.plain_rows = (2, 3) if lin.weight.dtype == torch.bfloat16 else (1, 2, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
-            return nn.functional.linear(x, self.weight, self.bias)
-        if self.native:
+        if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            x2 = x.reshape(-1, self.in_features)
             if x2.shape[0] <= NATIVE_MAX_ROWS:
                 y = native_linear_bf16(x2, self.weight, self.bias32)
             else:  # many rows: widen the weight once and use the fp32 GEMM (faster than emulated bf16)
-                y = nn.functional.linear(x2.float(), self.weight.float(), self.bias32)
-            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        if x2.shape[0] in self.plain_rows:
+                y = nn.functional.linear(x2.float(), self.weight.float(), self.bias32).to(x.dtype)
+            return y.view(*x.shape[:-1], self.out_features)
+        if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
+            return nn.functional.linear(x, self.weight, self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] in self.plain_rows or self.packed is None:
             return nn.functional.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
