@@ -128,3 +128,46 @@ def test_medusa_format_round_trip(tmp_path):
     other = tiny.make_model("llama", hidden=32, heads=4, kv_heads=2)
     with pytest.raises(HydraspecError, match="this model has hidden 32"):
         import_medusa(tmp_path / "fd", other)
+
+
+def _perturb(module, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_prefix_layer_fresh_identity_and_incremental_equals_full(family):
+    from hydraspec.heads.prefix import new_prefix_cache
+
+    model = tiny.cached_model(family, "sdpa", 1)
+    heads = build_heads("hydra", model, num_heads=2, num_layers=4, prefix_layer=True)
+    h = torch.randn(9, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(heads.prefixed(h), h)  # fresh: identity, so fresh heads equal lm_head
+        _perturb(heads.prefix)
+        full = heads.prefixed(h)
+        assert not torch.allclose(full, h, atol=1e-3)
+        cache, start, pieces = new_prefix_cache(), 0, []
+        for n in (4, 1, 3, 1):  # prefill, then steps that commit 1..3 tokens each, as in decoding
+            pieces.append(heads.prefix(h[start:start + n], start, cache))
+            start += n
+        torch.testing.assert_close(torch.cat(pieces), full, atol=1e-5, rtol=1e-4)
+
+
+def test_hydra_plus_plus_drafter_is_exact_and_checkpoint_round_trips(tok, tmp_path):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = build_heads("hydra", model, num_heads=4, num_layers=4, prefix_layer=True)
+    _perturb(heads, 0.05, seed=1)
+    save_heads(heads, tmp_path / "hpp", base_model="tiny-llama")
+    loaded, cfg = load_heads(tmp_path / "hpp", model)
+    assert cfg["prefix_layer"] is True and loaded.prefix is not None
+    h = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.prefixed(h), heads.prefixed(h))
+    for prompt in ([5, 9, 2, 7, 7, 1], [3]):  # with a prefill, and with none (one-token prompt)
+        ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=20)
+        drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE)
+        res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=20)
+        assert res.token_ids == ref.token_ids

@@ -77,3 +77,31 @@ def test_training_on_self_distilled_data_improves_heads(kind, tok, tmp_path):
                                                                                            max_new_tokens=24)
     assert res.token_ids == ref.token_ids
     assert res.stats.mean_accepted > 1.2
+
+
+def test_hydra_plus_plus_trains_prefix_layer_and_stays_exact(tok, tmp_path):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    questions = [(i, [" ".join(f"w{(i * 5 + j * 3) % 90}" for j in range(6))]) for i in range(8)]
+    data = tmp_path / "answers.jsonl"
+    # batched data generation gives the same greedy answers as one prompt at a time (fp32)
+    answer_prompts(model, tok, questions, data, max_new_tokens=16, progress=False, batch_size=3)
+    one = tmp_path / "one.jsonl"
+    answer_prompts(model, tok, questions, one, max_new_tokens=16, progress=False)
+    by_id = {r["id"]: r["answer_ids"] for r in load_answers(one)}
+    assert {r["id"]: r["answer_ids"] for r in load_answers(data)} == by_id
+    train_heads(model, data, tmp_path / "hpp", kind="hydra", base_name="tiny", num_heads=3, num_layers=4,
+                epochs=6, lr=3e-3, heldout=0.0, progress=False, distill=True, prefix_layer=True)
+    heads, cfg = load_heads(tmp_path / "hpp", model, base_model="tiny")
+    assert cfg["prefix_layer"]
+    # the prefix layer was trained: it is no longer the identity it starts as
+    h = torch.randn(4, model.config.hidden_size)
+    with torch.no_grad():
+        assert not torch.allclose(heads.prefixed(h), h, atol=1e-4)
+    rows = load_answers(data)
+    prompt = rows[0]["prompt_ids"]
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=16)
+    res = SpeculativeGenerator(model, tok, make_drafter("hydra", heads=heads, embed=model.get_input_embeddings(),
+                                                        tree=cfg["default_tree"])).generate(input_ids=prompt,
+                                                                                           max_new_tokens=16)
+    assert res.token_ids == ref.token_ids
+    assert res.stats.mean_accepted > 1.2

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from .errors import HydraspecError
 
@@ -163,20 +164,30 @@ def cmd_train_heads(args) -> int:
 
     if args.epochs < 1 or args.num_heads < 1 or args.num_layers < 1:
         raise HydraspecError("--epochs, --num-heads and --num-layers must be at least 1")
-    questions = load_questions(args.prompts, limit=args.limit)
+    questions = load_questions(args.prompts, limit=args.limit, skip=args.skip)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     out = args.out
     data = os.path.join(out, "answers.jsonl")
     print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts)} -> {data}",
           file=sys.stderr)
+    if args.batch_size < 1:
+        raise HydraspecError("--batch-size must be at least 1")
+    t0 = time.perf_counter()
     answer_prompts(model, tok, [(f"{q.source}-{q.question_id}", q.turns) for q in questions], data,
-                   max_new_tokens=args.max_new_tokens)
-    kind, distill, layers = args.kind, False, args.num_layers
+                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    t_data = time.perf_counter() - t0
+    kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
-        kind, distill, layers = "hydra", True, max(layers, 4)
+        kind, distill, layers, prefix = "hydra", True, max(layers, 4), True
+    used = {"train_prompts": {"files": [os.path.basename(p) for p in args.prompts], "skip_per_category": args.skip,
+                              "limit_per_category": args.limit, "questions": len(questions)},
+            "variant": args.kind}
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
-                      num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout)
+                      num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
+                      prefix_layer=prefix, extra_config=used)
+    print(f"data generation {t_data / 60:.1f} min, training {(time.perf_counter() - t0 - t_data) / 60:.1f} min",
+          file=sys.stderr)
     last = [json.loads(x) for x in open(res["log"])][-1]
     for h in last["heads"]:
         print(f"head {h['head']}: held-out top-1 {h['top1']:.3f}, top-5 {h['top5']:.3f} over {h['n']} targets")
@@ -219,11 +230,14 @@ def make_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-heads", help="self-distil and train Medusa/Hydra draft heads (frozen base)")
     add_model_args(t)
     t.add_argument("--kind", required=True, choices=("medusa", "hydra", "hydra++"),
-                   help="hydra++ = 4-layer Hydra heads distilled from the base distribution "
-                        "(the extra prefix-attention layer is not implemented yet)")
+                   help="hydra++ = 4-layer Hydra heads distilled from the base model's distribution, "
+                        "reading the output of one extra prefix-attention decoder layer")
     t.add_argument("--prompts", nargs="+", required=True, help="Spec-Bench-format jsonl files (first turns used)")
     t.add_argument("--out", required=True, help="directory for data, checkpoints and the training log")
-    t.add_argument("--limit", type=int, help="first N prompts of each category")
+    t.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")
+    t.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N prompts of each category (keep them for evaluation: bench --limit N)")
+    t.add_argument("--batch-size", type=int, default=8, help="prompts answered per generate call (data generation)")
     t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1)

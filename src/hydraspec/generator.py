@@ -163,7 +163,7 @@ class SpeculativeGenerator:
                                  want_hidden=need_hidden, last_only=True)
             hidden = h[-1] if h is not None else None
         state = DecodeState(tokens=list(ids), prompt_len=len(ids), sampling=sampling, generator=gen,
-                            hidden=hidden)
+                            hidden=hidden, new_hidden=h if hidden is not None else None)
         if streamer is not None:
             streamer.put(torch.tensor([ids]))
         drafter.start(state, capacity)
@@ -220,6 +220,7 @@ class SpeculativeGenerator:
                 streamer.put(torch.tensor(emitted))
             state.tokens.extend(emitted)
             state.hidden = hid[acc.path[-1]] if hid is not None else None
+            state.new_hidden = hid[acc.path] if hid is not None else None
             t3 = time.perf_counter()
             drafter.observe(state, [i - 1 for i in acc.path[1:]])
             t4 = time.perf_counter()

@@ -150,3 +150,18 @@ def prepack(model: nn.Module) -> int:
     for parent, child_name, child in todo:
         setattr(parent, child_name, PackedLinear(child))
     return len(todo)
+
+
+def unpack(module: nn.Module) -> nn.Module:
+    """Turn every PackedLinear inside `module` back into a plain nn.Linear sharing its weight (for copies
+    of base layers that are going to be trained: a prepacked copy would go stale)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                device=child.weight.device, dtype=child.weight.dtype)
+                lin.weight = child.weight
+                if child.bias is not None:
+                    lin.bias = child.bias
+                setattr(parent, name, lin)
+    return module

@@ -65,9 +65,10 @@ def load_prompt_file(path: str | Path) -> list[Question]:
     return out
 
 
-def load_questions(paths, limit: int | None = None, categories=None) -> list[Question]:
-    """All questions of `paths` (in file order), then the `categories` filter, then `limit`: the first
-    `limit` questions of each category in that order. Deterministic."""
+def load_questions(paths, limit: int | None = None, categories=None, skip: int = 0) -> list[Question]:
+    """All questions of `paths` (in file order), then the `categories` filter, then `skip` and `limit`:
+    the first `skip` questions of each category are dropped (e.g. kept for evaluation) and the next
+    `limit` kept. Deterministic."""
     paths = [Path(p) for p in paths]
     if not paths:
         raise HydraspecError("no prompt files given")
@@ -93,6 +94,16 @@ def load_questions(paths, limit: int | None = None, categories=None) -> list[Que
             raise HydraspecError(f"no questions in categor{'y' if len(missing) == 1 else 'ies'} "
                                  f"{', '.join(missing)}; known: {', '.join(known)}")
         questions = [q for q in questions if q.category in wanted]
+    if skip < 0:
+        raise HydraspecError(f"--skip must be at least 0, got {skip}")
+    if skip:
+        seen: dict[str, int] = {}
+        kept = []
+        for q in questions:
+            seen[q.category] = seen.get(q.category, 0) + 1
+            if seen[q.category] > skip:
+                kept.append(q)
+        questions = kept
     if limit is not None:
         taken: dict[str, int] = {}
         kept = []

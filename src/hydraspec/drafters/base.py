@@ -18,6 +18,9 @@ class DecodeState:
     sampling: Sampling
     generator: torch.Generator | None = None
     hidden: torch.Tensor | None = None  # [dim]
+    # hidden states [m, dim] of the tokens the target committed to its cache since the last proposal
+    # (the prompt after prefill; then the pending token and the accepted drafts); hidden == new_hidden[-1]
+    new_hidden: torch.Tensor | None = None
 
 
 class Drafter:

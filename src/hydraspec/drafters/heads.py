@@ -38,10 +38,31 @@ class HeadDrafter(Drafter):
             kids = {p: [i for i in nodes if parents[i] == p] for p in par}
             self.levels.append((par, kids))
         self.paths = [shape.path_to(i) for i in range(len(parents))]
+        self._prefix_cache, self._prefix_len, self._fed = None, 0, None
+
+    def start(self, state: DecodeState, capacity: int) -> None:
+        if getattr(self.heads, "prefix", None) is not None:
+            from ..heads.prefix import new_prefix_cache
+
+            self._prefix_cache, self._prefix_len, self._fed = new_prefix_cache(), 0, None
+
+    def _head_input(self, state: DecodeState) -> torch.Tensor | None:
+        """The hidden state the heads read: the target's, or (Hydra++) the prefix layer's output,
+        after feeding the prefix layer the states the target committed since the last call."""
+        if getattr(self.heads, "prefix", None) is None or state.hidden is None:
+            return state.hidden
+        new = state.new_hidden
+        if new is not None and new is not self._fed:
+            if self._prefix_cache is None:
+                self.start(state, 0)
+            out = self.heads.prefix(new, self._prefix_len, self._prefix_cache)
+            self._prefix_len += new.shape[0]
+            self._fed, self._last = new, out[-1]
+        return self._last
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
-        h = state.hidden
+        h = self._head_input(state)
         if h is None:
             return DraftTree.empty()
         greedy = state.sampling.greedy

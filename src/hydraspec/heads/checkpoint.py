@@ -18,12 +18,21 @@ def default_tree(num_heads: int) -> list[list[int]]:
     return [p for p in DEFAULT_TREE if len(p) <= num_heads]
 
 
-def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False) -> Heads:
+def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False,
+                prefix_layer: bool = False) -> Heads:
+    """Fresh heads for `model`. prefix_layer adds Hydra++'s extra decoder layer (identity when fresh)."""
     if kind not in KINDS:
         raise HydraspecError(f"unknown head kind '{kind}'; known: {', '.join(KINDS)}")
     cfg = model.config.get_text_config(decoder=True)
     heads = KINDS[kind](cfg.hidden_size, cfg.vocab_size, num_heads=num_heads, num_layers=num_layers,
                         lm_head=model.get_output_embeddings(), own_projection=own_projection)
+    if prefix_layer:
+        from .prefix import PrefixLayer
+
+        try:
+            heads.prefix = PrefixLayer(model)
+        except ValueError as e:
+            raise HydraspecError(f"cannot add a prefix-attention layer: {e}") from None
     return heads.to(model.device)
 
 
@@ -34,7 +43,7 @@ def save_heads(heads: Heads, directory, base_model: str, tree: list[list[int]] |
     save_file(state, str(out / "heads.safetensors"))
     cfg = {"format": FORMAT, "kind": heads.kind, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
            "hidden_size": heads.hidden, "vocab_size": heads.vocab, "own_projection": heads.own_projection,
-           "base_model": base_model, "default_tree": tree or default_tree(heads.num_heads), **extra}
+           "prefix_layer": heads.prefix is not None, "base_model": base_model, "default_tree": tree or default_tree(heads.num_heads), **extra}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
@@ -55,7 +64,8 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
             f"{cfg['vocab_size']}); this model has hidden {mcfg.hidden_size}, vocab {mcfg.vocab_size}")
     if base_model and cfg.get("base_model") and _norm(cfg["base_model"]) != _norm(base_model):
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
-    heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"])
+    heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
+                        prefix_layer=bool(cfg.get("prefix_layer")))
     state = load_file(str(d / "heads.safetensors"))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:

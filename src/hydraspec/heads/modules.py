@@ -48,6 +48,11 @@ class Heads(nn.Module):
                 raise ValueError("heads with a shared projection need the base model's lm_head")
             self.proj = None
             self._shared = [lm_head]  # a list keeps the frozen base head out of this module's parameters
+        self.prefix = None  # Hydra++'s prefix-attention layer (heads.prefix.PrefixLayer), set by build_heads
+
+    def prefixed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Training view: the hidden states [T, dim] of a whole sequence as the heads read them."""
+        return hidden if self.prefix is None else self.prefix(hidden)
 
     def attach(self, lm_head: nn.Module) -> None:
         if not self.own_projection:

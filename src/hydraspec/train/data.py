@@ -7,10 +7,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 
-def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 256, progress: bool = True) -> int:
+def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 256, progress: bool = True,
+                   batch_size: int = 1) -> int:
     """Greedy answers of the base model to each question's first turn, appended to a jsonl file
-    ({"id", "prompt_ids", "answer_ids"}) as soon as each is done, so an interrupted run resumes where
-    it stopped. questions: iterable of (id, list of user turns). Returns how many were added."""
+    ({"id", "prompt_ids", "answer_ids"}) as soon as each is done (or each batch), so an interrupted
+    run resumes where it stopped. questions: iterable of (id, list of user turns). batch_size > 1
+    answers that many prompts per call of transformers' generate (left padding, prompts sorted by
+    length), which is several times faster per token on a CPU too. Returns how many were added."""
     from ..generator import SpeculativeGenerator
 
     out = Path(out_path)
@@ -24,6 +27,8 @@ def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 
                 pass  # a line cut off by an interrupt is redone
     todo = [(qid, turns) for qid, turns in questions if qid not in done]
     gen = SpeculativeGenerator(model, tokenizer)
+    if batch_size > 1:
+        return _answer_batched(model, tokenizer, gen, todo, out, max_new_tokens, progress, batch_size)
     added = 0
     with out.open("a") as f:
         for qid, turns in tqdm(todo, desc="answering", unit="prompt", disable=not progress):
@@ -32,6 +37,39 @@ def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 
             f.write(json.dumps({"id": qid, "prompt_ids": ids, "answer_ids": res.token_ids}) + "\n")
             f.flush()
             added += 1
+    return added
+
+
+def _answer_batched(model, tokenizer, gen, todo, out, max_new_tokens, progress, batch_size) -> int:
+    import torch
+
+    from ..generator import eos_ids
+
+    eos = eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos) if eos else 0
+    enc = sorted(((qid, gen.encode([{"role": "user", "content": turns[0]}])) for qid, turns in todo),
+                 key=lambda x: len(x[1]))
+    added = 0
+    bar = tqdm(total=len(enc), desc="answering", unit="prompt", disable=not progress)
+    with out.open("a") as f, torch.inference_mode():
+        for b in range(0, len(enc), batch_size):
+            chunk = enc[b:b + batch_size]
+            width = max(len(ids) for _, ids in chunk)
+            inp = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in chunk], device=model.device)
+            att = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk], device=model.device)
+            outs = model.generate(input_ids=inp, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=pad, eos_token_id=sorted(eos) or None)
+            for (qid, ids), row in zip(chunk, outs[:, width:].tolist()):
+                ans = []
+                for t in row:
+                    ans.append(t)
+                    if t in eos:
+                        break
+                f.write(json.dumps({"id": qid, "prompt_ids": ids, "answer_ids": ans}) + "\n")
+                added += 1
+            f.flush()
+            bar.update(len(chunk))
+    bar.close()
     return added
 
 

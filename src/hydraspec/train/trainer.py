@@ -35,7 +35,7 @@ def evaluate(heads, model, rows, distill: bool, max_len: int) -> list[dict]:
         for r in rows:
             ids = torch.tensor((r["prompt_ids"] + r["answer_ids"])[:max_len], device=model.device)
             hidden, _ = _base_pass(model, ids, False)
-            _, st = heads_loss(heads, hidden, ids, len(r["prompt_ids"]), embed=embed)
+            _, st = heads_loss(heads, heads.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed)
             for t, s in zip(totals, st):
                 for key in t:
                     t[key] += s[key]
@@ -45,7 +45,8 @@ def evaluate(heads, model, rows, distill: bool, max_len: int) -> list[dict]:
 
 def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str = "", num_heads: int = 4,
                 num_layers: int = 1, epochs: int = 1, lr: float = 1e-3, distill: bool = False,
-                heldout: float = 0.1, max_len: int = 1024, seed: int = 0, progress: bool = True) -> dict:
+                heldout: float = 0.1, max_len: int = 1024, seed: int = 0, progress: bool = True,
+                prefix_layer: bool = False, extra_config: dict | None = None) -> dict:
     from accelerate import Accelerator
 
     out = Path(out_dir)
@@ -55,7 +56,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     test = [r for r in rows if is_heldout(r["id"], heldout)]
     model.requires_grad_(False)
     acc = Accelerator(cpu=model.device.type == "cpu")
-    heads = build_heads(kind, model, num_heads=num_heads, num_layers=num_layers).float()
+    heads = build_heads(kind, model, num_heads=num_heads, num_layers=num_layers, prefix_layer=prefix_layer).float()
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr)
     heads, opt = acc.prepare(heads, opt)
     state_path, start_epoch = out / "train_state.pt", 0
@@ -75,7 +76,8 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
         for i, r in enumerate(bar):
             ids = torch.tensor((r["prompt_ids"] + r["answer_ids"])[:max_len], device=model.device)
             hidden, teacher = _base_pass(model, ids, distill)
-            loss, _ = heads_loss(acc.unwrap_model(heads), hidden.float(), ids, len(r["prompt_ids"]), embed=embed,
+            hm = acc.unwrap_model(heads)
+            loss, _ = heads_loss(hm, hm.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed,
                                  teacher_logits=teacher)
             acc.backward(loss)
             opt.step()
@@ -88,6 +90,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
         with log.open("a") as f:
             f.write(json.dumps({"epoch": epoch + 1, "train_seqs": len(train), "heldout_seqs": len(test),
                                 "loss": running, "heads": metrics}) + "\n")
-        save_heads(h, out, base_model=base_name, kind_detail={"distill": distill, "epochs": epoch + 1})
+        save_heads(h, out, base_model=base_name, kind_detail={"distill": distill, "epochs": epoch + 1},
+                   **(extra_config or {}))
         torch.save({"heads": h.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1}, state_path)
     return {"train": len(train), "heldout": len(test), "log": str(log)}
