@@ -113,5 +113,20 @@ def test_train_heads_command(saved, tmp_path, capsys):
     assert rc == 0
     assert "head 1: held-out top-1" in stdout
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["kind"] == "hydra" and cfg["num_layers"] == 4 and cfg["num_heads"] == 2
+    assert cfg["kind"] == "hydra" and cfg["num_layers"] == 4 and cfg["num_heads"] == 2 and cfg["prefix_layer"]
+    assert cfg["train_prompts"]["questions"] == 5 and cfg["variant"] == "hydra++"
     assert len((out / "answers.jsonl").read_text().splitlines()) == 5
+    # a second kind reuses those answers (--data), skipping the first 2 prompts (kept for evaluation),
+    # plus docstring prompts from installed modules
+    rc, _, err = run(capsys, "train-heads", "--model", str(saved / "target"), "--dtype", "float32", "--kind",
+                     "medusa", "--prompts", str(prompts), "--skip", "2", "--docstring-prompts", "2", "--data",
+                     str(out / "answers.jsonl"), "--out", str(tmp_path / "med"), "--epochs", "1",
+                     "--max-new-tokens", "8", "--num-heads", "2")
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(rows) == 7 and sum(r["id"].startswith("doc-") for r in rows) == 2
+    cfg = json.loads((tmp_path / "med" / "config.json").read_text())
+    assert cfg["train_prompts"]["skip_per_category"] == 2 and cfg["train_prompts"]["questions"] == 3
+    rc, _, err = run(capsys, "train-heads", "--model", str(saved / "target"), "--kind", "medusa", "--out",
+                     str(tmp_path / "x"))
+    assert rc == 2 and "--docstring-prompts" in err

@@ -171,3 +171,36 @@ def test_hydra_plus_plus_drafter_is_exact_and_checkpoint_round_trips(tok, tmp_pa
         drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE)
         res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=20)
         assert res.token_ids == ref.token_ids
+
+
+def test_draft_vocabulary_heads_are_exact_greedy_and_lossless_q(tok, tmp_path):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    v = model.config.vocab_size
+    subset = list(range(0, v, 3))
+    heads = build_heads("hydra", model, num_heads=3, vocab_subset=subset)
+    assert heads.out_vocab == len(subset)
+    h = torch.randn(4, model.config.hidden_size)
+    e = torch.randn(4, 1, model.config.hidden_size)
+    # a fresh head over the subset equals lm_head's rows of the subset
+    torch.testing.assert_close(build_heads("medusa", model, num_heads=1, vocab_subset=subset).logits(0, h),
+                               model.lm_head(h)[:, subset])
+    _perturb(heads, 0.05, seed=2)
+    save_heads(heads, tmp_path / "dv", base_model="tiny")
+    loaded, cfg = load_heads(tmp_path / "dv", model)
+    assert cfg["draft_vocab"] == len(subset) and loaded.subset.tolist() == subset
+    torch.testing.assert_close(loaded.logits(0, h, e), heads.logits(0, h, e))
+    p = torch.softmax(loaded.logits(0, h, e), -1)
+    full = loaded.full_probs(p)
+    assert full.shape == (4, v) and torch.allclose(full.sum(-1), torch.ones(4))
+    assert full[:, 1].abs().sum() == 0 and torch.equal(full[:, subset], p)
+    prompt = [5, 9, 2, 7, 7, 1]
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=20)
+    drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE[:5])
+    res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=20)
+    assert res.token_ids == ref.token_ids
+    tree = drafter.propose(__import__("hydraspec.drafters.base", fromlist=["DecodeState"]).DecodeState(
+        tokens=prompt, prompt_len=6, sampling=__import__("hydraspec.sampling", fromlist=["Sampling"]).Sampling(0.0, 0, 1.0),
+        hidden=h[0], new_hidden=h[:1]))
+    assert all(t % 3 == 0 for t in tree.tokens.tolist())  # drafts come from the draft vocabulary only
+    with pytest.raises(ValueError, match="distinct token ids"):
+        build_heads("medusa", model, vocab_subset=[1, 1, 2])

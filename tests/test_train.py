@@ -105,3 +105,26 @@ def test_hydra_plus_plus_trains_prefix_layer_and_stays_exact(tok, tmp_path):
                                                                                            max_new_tokens=16)
     assert res.token_ids == ref.token_ids
     assert res.stats.mean_accepted > 1.2
+
+
+def test_draft_vocab_training_maps_targets_and_improves(tok, tmp_path):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    questions = [(i, [" ".join(f"w{(i * 7 + j * 3) % 90}" for j in range(6))]) for i in range(10)]
+    data = tmp_path / "answers.jsonl"
+    answer_prompts(model, tok, questions, data, max_new_tokens=20, progress=False, batch_size=4)
+    rows = load_answers(data)
+    train_heads(model, data, tmp_path / "h", kind="medusa", base_name="tiny", num_heads=2, epochs=10, lr=3e-3,
+                heldout=0.0, progress=False, draft_vocab=24)
+    heads, cfg = load_heads(tmp_path / "h", model)
+    assert heads.subset.numel() == 24 and 0 < cfg["draft_vocab_coverage"] <= 1
+    after = evaluate(heads, model, rows, False, 1024)
+    fresh = build_heads("medusa", model, num_heads=2, vocab_subset=heads.subset.tolist())
+    before = evaluate(fresh, model, rows, False, 1024)
+    assert after[0]["top1"] > before[0]["top1"] + 0.12, (before, after)
+    assert after[0]["top1"] <= cfg["draft_vocab_coverage"] + 1e-9  # tokens outside the subset are sure misses
+    # the loss counts an out-of-subset target as unreachable, not as some other token
+    from hydraspec.train.losses import heads_loss
+    ids = torch.tensor(rows[0]["prompt_ids"] + rows[0]["answer_ids"])
+    hidden = model(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0]
+    loss, st = heads_loss(heads, hidden, ids, len(rows[0]["prompt_ids"]), embed=model.get_input_embeddings())
+    assert torch.isfinite(loss)

@@ -164,28 +164,36 @@ def cmd_train_heads(args) -> int:
 
     if args.epochs < 1 or args.num_heads < 1 or args.num_layers < 1:
         raise HydraspecError("--epochs, --num-heads and --num-layers must be at least 1")
-    questions = load_questions(args.prompts, limit=args.limit, skip=args.skip)
+    if not args.prompts and not args.docstring_prompts:
+        raise HydraspecError("give --prompts FILE... and/or --docstring-prompts N")
+    questions = load_questions(args.prompts, limit=args.limit, skip=args.skip) if args.prompts else []
+    pairs = [(f"{q.source}-{q.question_id}", q.turns) for q in questions]
+    if args.docstring_prompts:
+        from .train.docprompts import module_prompts
+
+        pairs += module_prompts(limit=args.docstring_prompts)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     out = args.out
-    data = os.path.join(out, "answers.jsonl")
-    print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts)} -> {data}",
-          file=sys.stderr)
+    data = args.data or os.path.join(out, "answers.jsonl")
+    print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts or ['-'])}"
+          f" + {len(pairs) - len(questions)} docstring prompts -> {data}", file=sys.stderr)
     if args.batch_size < 1:
         raise HydraspecError("--batch-size must be at least 1")
     t0 = time.perf_counter()
-    answer_prompts(model, tok, [(f"{q.source}-{q.question_id}", q.turns) for q in questions], data,
+    answer_prompts(model, tok, pairs, data,
                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     t_data = time.perf_counter() - t0
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
         kind, distill, layers, prefix = "hydra", True, max(layers, 4), True
     used = {"train_prompts": {"files": [os.path.basename(p) for p in args.prompts], "skip_per_category": args.skip,
-                              "limit_per_category": args.limit, "questions": len(questions)},
+                              "limit_per_category": args.limit, "questions": len(questions),
+                              "docstring_prompts": len(pairs) - len(questions)},
             "variant": args.kind}
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
-                      prefix_layer=prefix, extra_config=used)
+                      prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None)
     print(f"data generation {t_data / 60:.1f} min, training {(time.perf_counter() - t0 - t_data) / 60:.1f} min",
           file=sys.stderr)
     last = [json.loads(x) for x in open(res["log"])][-1]
@@ -232,7 +240,11 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--kind", required=True, choices=("medusa", "hydra", "hydra++"),
                    help="hydra++ = 4-layer Hydra heads distilled from the base model's distribution, "
                         "reading the output of one extra prefix-attention decoder layer")
-    t.add_argument("--prompts", nargs="+", required=True, help="Spec-Bench-format jsonl files (first turns used)")
+    t.add_argument("--prompts", nargs="+", help="Spec-Bench-format jsonl files (first turns used)")
+    t.add_argument("--data", help="self-distillation answers (jsonl) to use and extend; default OUT/answers.jsonl "
+                                   "(point several trainings at one file to generate the answers once)")
+    t.add_argument("--docstring-prompts", type=int, default=0, metavar="N",
+                   help="also N 'complete this function' prompts made from installed Python modules (code models)")
     t.add_argument("--out", required=True, help="directory for data, checkpoints and the training log")
     t.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")
     t.add_argument("--skip", type=int, default=0,
@@ -243,6 +255,9 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-layers", type=int, default=1)
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="heads project onto the N most frequent answer tokens only (cheaper drafting and "
+                        "training; exactness unchanged); 0 = the whole vocabulary")
     t.add_argument("--heldout", type=float, default=0.1, help="share of prompts held out for accuracy")
     t.set_defaults(func=cmd_train_heads)
 

@@ -70,6 +70,9 @@ class HeadDrafter(Drafter):
         tokens = [0] * n
         qrows: list[torch.Tensor | None] = [None] * n
         pending = state.tokens[-1]
+        # heads with a draft vocabulary return logits over it: map ranks to token ids, q to the full vocabulary
+        to_ids = getattr(self.heads, "token_ids", lambda i: i)
+        to_probs = getattr(self.heads, "full_probs", lambda p: p)
         for d, (par, kids) in enumerate(self.levels):
             if self.heads.kind == "medusa":
                 lg = self.heads.logits(d, h[None]).float()
@@ -82,11 +85,11 @@ class HeadDrafter(Drafter):
                 children = kids[p]
                 if greedy:
                     need = max(self.ranks[c] for c in children) + 1
-                    top = torch.topk(lg[row], need).indices.tolist()
+                    top = to_ids(torch.topk(lg[row], need).indices).tolist()
                     for c in children:
                         tokens[c] = top[self.ranks[c]]
                 else:
-                    probs = state.sampling.probs(lg[row])
+                    probs = to_probs(state.sampling.probs(lg[row]))
                     draws = sample_without_replacement(probs, len(children), state.generator).tolist()
                     for c, x in zip(children, draws):
                         tokens[c] = x

@@ -19,13 +19,15 @@ def default_tree(num_heads: int) -> list[list[int]]:
 
 
 def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False,
-                prefix_layer: bool = False) -> Heads:
-    """Fresh heads for `model`. prefix_layer adds Hydra++'s extra decoder layer (identity when fresh)."""
+                prefix_layer: bool = False, vocab_subset=None) -> Heads:
+    """Fresh heads for `model`. prefix_layer adds Hydra++'s extra decoder layer (identity when fresh);
+    vocab_subset (token ids) restricts the heads' projection to a draft vocabulary."""
     if kind not in KINDS:
         raise HydraspecError(f"unknown head kind '{kind}'; known: {', '.join(KINDS)}")
     cfg = model.config.get_text_config(decoder=True)
     heads = KINDS[kind](cfg.hidden_size, cfg.vocab_size, num_heads=num_heads, num_layers=num_layers,
-                        lm_head=model.get_output_embeddings(), own_projection=own_projection)
+                        lm_head=model.get_output_embeddings(), own_projection=own_projection,
+                        vocab_subset=vocab_subset)
     if prefix_layer:
         from .prefix import PrefixLayer
 
@@ -43,7 +45,8 @@ def save_heads(heads: Heads, directory, base_model: str, tree: list[list[int]] |
     save_file(state, str(out / "heads.safetensors"))
     cfg = {"format": FORMAT, "kind": heads.kind, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
            "hidden_size": heads.hidden, "vocab_size": heads.vocab, "own_projection": heads.own_projection,
-           "prefix_layer": heads.prefix is not None, "base_model": base_model, "default_tree": tree or default_tree(heads.num_heads), **extra}
+           "prefix_layer": heads.prefix is not None,
+           "draft_vocab": heads.out_vocab if heads.subset is not None else None, "base_model": base_model, "default_tree": tree or default_tree(heads.num_heads), **extra}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
@@ -64,9 +67,9 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
             f"{cfg['vocab_size']}); this model has hidden {mcfg.hidden_size}, vocab {mcfg.vocab_size}")
     if base_model and cfg.get("base_model") and _norm(cfg["base_model"]) != _norm(base_model):
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
-    heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
-                        prefix_layer=bool(cfg.get("prefix_layer")))
     state = load_file(str(d / "heads.safetensors"))
+    heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
+                        prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HydraspecError(f"heads checkpoint '{d}' does not match its config (missing {missing[:3]}, "

@@ -60,6 +60,9 @@ def export_medusa(heads: MedusaHeads, directory, base_model: str) -> Path:
     """Write heads in FasterDecoding's layout (a shared projection is written out as each head's own)."""
     if heads.kind != "medusa":
         raise HydraspecError(f"only Medusa heads have a FasterDecoding layout, not {heads.kind}")
+    if heads.subset is not None or heads.prefix is not None:
+        raise HydraspecError("heads with a draft vocabulary or a prefix layer have no FasterDecoding layout "
+                             "(it needs full-vocabulary projections); train them without --draft-vocab to export")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     L = heads.num_layers

@@ -6,6 +6,12 @@ Hydra (Ankner et al. 2024): head k also sees the input embeddings of the tokens 
 path, so its guess is conditioned on the earlier guesses. Hydra++ uses deeper (4-layer) head MLPs.
 The vocabulary projection is either the frozen base lm_head (shared: small checkpoints) or each
 head's own copy initialised from it.
+
+Draft vocabulary: heads may project onto a subset of the vocabulary only (the tokens that cover nearly
+all of the base model's own answers, chosen by frequency). The vocabulary projection is most of a head's
+cost (151,936 x 1,536 weights for Qwen2.5), so this makes drafting and training several times cheaper.
+Exactness is untouched: the target verifies every drafted token, and in sampling mode the heads'
+distribution over the subset (zero elsewhere) is the q that lossless acceptance uses.
 """
 from __future__ import annotations
 
@@ -33,21 +39,32 @@ class Heads(nn.Module):
     kind = "base"
 
     def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, lm_head: nn.Module | None,
-                 own_projection: bool):
+                 own_projection: bool, vocab_subset=None):
         super().__init__()
         self.hidden, self.vocab, self.num_heads, self.num_layers = hidden, vocab, num_heads, num_layers
         self.own_projection = own_projection
+        if vocab_subset is not None:
+            sub = torch.as_tensor(vocab_subset, dtype=torch.long)
+            if sub.ndim != 1 or sub.numel() == 0 or int(sub.min()) < 0 or int(sub.max()) >= vocab or \
+                    sub.unique().numel() != sub.numel():
+                raise ValueError(f"vocab_subset must be distinct token ids in [0, {vocab})")
+            self.register_buffer("subset", sub)
+        else:
+            self.subset = None
+        out = vocab if self.subset is None else self.subset.numel()
         if own_projection:
-            self.proj = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+            self.proj = nn.ModuleList(nn.Linear(hidden, out, bias=False) for _ in range(num_heads))
             if lm_head is not None:
+                w = lm_head.weight.data if self.subset is None else lm_head.weight.data[self.subset]
                 for p in self.proj:
-                    p.weight.data.copy_(lm_head.weight.data)
+                    p.weight.data.copy_(w)
             self._shared = None
         else:
             if lm_head is None:
                 raise ValueError("heads with a shared projection need the base model's lm_head")
             self.proj = None
             self._shared = [lm_head]  # a list keeps the frozen base head out of this module's parameters
+            self._shared_sub = None  # frozen rows of lm_head for the draft vocabulary, made on first use
         self.prefix = None  # Hydra++'s prefix-attention layer (heads.prefix.PrefixLayer), set by build_heads
 
     def prefixed(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -56,18 +73,44 @@ class Heads(nn.Module):
 
     def attach(self, lm_head: nn.Module) -> None:
         if not self.own_projection:
-            self._shared = [lm_head]
+            self._shared, self._shared_sub = [lm_head], None
+
+    @property
+    def out_vocab(self) -> int:
+        """Width of the heads' logits: the vocabulary, or the draft vocabulary."""
+        return self.vocab if self.subset is None else self.subset.numel()
+
+    def token_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map indices into the heads' logits to token ids."""
+        return idx if self.subset is None else self.subset[idx]
+
+    def full_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., out_vocab] probabilities -> [..., vocab] (zero outside the draft vocabulary)."""
+        if self.subset is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.vocab)
+        full[..., self.subset] = probs
+        return full
 
     def project(self, k: int, x: torch.Tensor) -> torch.Tensor:
-        head = self.proj[k] if self.own_projection else self._shared[0]
-        return head(x.to(head.weight.dtype))
+        if self.own_projection:
+            head = self.proj[k]
+            return head(x.to(head.weight.dtype))
+        base = self._shared[0]
+        if self.subset is None:
+            return base(x.to(base.weight.dtype))
+        w = self._shared_sub
+        if w is None or w.dtype != base.weight.dtype or w.device != base.weight.device:
+            w = self._shared_sub = base.weight.detach()[self.subset.to(base.weight.device)].contiguous()
+        return torch.nn.functional.linear(x.to(w.dtype), w)
 
 
 class MedusaHeads(Heads):
     kind = "medusa"
 
-    def __init__(self, hidden, vocab, num_heads=4, num_layers=1, lm_head=None, own_projection=False):
-        super().__init__(hidden, vocab, num_heads, num_layers, lm_head, own_projection)
+    def __init__(self, hidden, vocab, num_heads=4, num_layers=1, lm_head=None, own_projection=False,
+                 vocab_subset=None):
+        super().__init__(hidden, vocab, num_heads, num_layers, lm_head, own_projection, vocab_subset)
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))
 
@@ -85,8 +128,9 @@ class HydraHeads(Heads):
 
     kind = "hydra"
 
-    def __init__(self, hidden, vocab, num_heads=4, num_layers=1, lm_head=None, own_projection=False):
-        super().__init__(hidden, vocab, num_heads, num_layers, lm_head, own_projection)
+    def __init__(self, hidden, vocab, num_heads=4, num_layers=1, lm_head=None, own_projection=False,
+                 vocab_subset=None):
+        super().__init__(hidden, vocab, num_heads, num_layers, lm_head, own_projection, vocab_subset)
         self.inp = nn.ModuleList(nn.Linear(hidden * (k + 2), hidden) for k in range(num_heads))
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)]) for _ in range(num_heads))

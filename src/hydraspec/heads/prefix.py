@@ -39,7 +39,10 @@ class PrefixLayer(nn.Module):
     def __init__(self, model):
         super().__init__()
         base = _decoder(model)
-        self.layer = unpack(copy.deepcopy(base.layers[-1]))
+        last = base.layers[-1]
+        # prepacked oneDNN weights cannot be deep-copied (and would go stale): copy without them
+        memo = {id(m.packed): None for m in last.modules() if getattr(m, "packed", None) is not None}
+        self.layer = unpack(copy.deepcopy(last, memo))
         self.layer.requires_grad_(True)
         for mod in self.layer.modules():  # its own one-layer cache
             if hasattr(mod, "layer_idx"):

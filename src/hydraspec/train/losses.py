@@ -41,14 +41,21 @@ def heads_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
             continue
         logits = head_logits(heads, k, hidden, ids, embed, pos).float()
         target = ids[pos + k + 2]
+        subset = getattr(heads, "subset", None)
+        if subset is not None:  # draft vocabulary: targets as indices into it (-100: outside, a sure miss)
+            index = torch.full((heads.vocab,), -100, dtype=torch.long, device=target.device)
+            index[subset] = torch.arange(subset.numel(), device=target.device)
+            target = index[target]
         if teacher_logits is None:
-            loss = F.cross_entropy(logits, target)
+            loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else logits.sum() * 0
         else:
-            teacher = teacher_logits[pos + k + 1].float().softmax(-1)
-            loss = -(teacher * logits.log_softmax(-1)).sum(-1).mean()
+            teacher = teacher_logits[pos + k + 1].float()
+            if subset is not None:
+                teacher = teacher[:, subset]  # the base distribution renormalised over the draft vocabulary
+            loss = -(teacher.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
         total = total + (decay ** k) * loss
         with torch.no_grad():
             top5 = logits.topk(min(5, logits.shape[-1]), -1).indices
-            stats.append({"n": int(pos.numel()), "top1": int((top5[:, 0] == target).sum()),
+            stats.append({"n": int(pos.numel()), "top1": int((top5[:, 0] == target).sum()),  # -100 never hits
                           "top5": int((top5 == target[:, None]).any(-1).sum())})
     return total, stats

@@ -28,6 +28,26 @@ def _base_pass(model, ids: torch.Tensor, want_logits: bool):
     return hidden, (out.logits[0] if want_logits else None)
 
 
+def choose_draft_vocab(rows, size: int, model) -> tuple[list[int], float]:
+    """The `size` most frequent tokens of the answers (plus the EOS ids), and the share of answer
+    tokens they cover."""
+    from collections import Counter
+
+    from ..generator import eos_ids
+
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    counts = Counter(t for r in rows for t in r["answer_ids"] if 0 <= t < vocab)
+    keep = [t for t in sorted(eos_ids(model, None)) if 0 <= t < vocab]
+    for t, _ in counts.most_common():
+        if len(keep) >= size:
+            break
+        if t not in keep:
+            keep.append(t)
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in keep)
+    return keep, covered / max(1, total)
+
+
 def evaluate(heads, model, rows, distill: bool, max_len: int) -> list[dict]:
     embed = model.get_input_embeddings()
     totals = [{"n": 0, "top1": 0, "top5": 0} for _ in range(heads.num_heads)]
@@ -46,7 +66,7 @@ def evaluate(heads, model, rows, distill: bool, max_len: int) -> list[dict]:
 def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str = "", num_heads: int = 4,
                 num_layers: int = 1, epochs: int = 1, lr: float = 1e-3, distill: bool = False,
                 heldout: float = 0.1, max_len: int = 1024, seed: int = 0, progress: bool = True,
-                prefix_layer: bool = False, extra_config: dict | None = None) -> dict:
+                prefix_layer: bool = False, extra_config: dict | None = None, draft_vocab: int | None = None) -> dict:
     from accelerate import Accelerator
 
     out = Path(out_dir)
@@ -56,7 +76,14 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     test = [r for r in rows if is_heldout(r["id"], heldout)]
     model.requires_grad_(False)
     acc = Accelerator(cpu=model.device.type == "cpu")
-    heads = build_heads(kind, model, num_heads=num_heads, num_layers=num_layers, prefix_layer=prefix_layer).float()
+    subset, coverage = None, None
+    if draft_vocab:
+        subset, coverage = choose_draft_vocab(train or rows, draft_vocab, model)
+        extra_config = {**(extra_config or {}), "draft_vocab_coverage": round(coverage, 5)}
+        if progress:
+            print(f"draft vocabulary: {len(subset)} tokens cover {coverage:.2%} of the training answers' tokens")
+    heads = build_heads(kind, model, num_heads=num_heads, num_layers=num_layers, prefix_layer=prefix_layer,
+                        vocab_subset=subset).float()
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr)
     heads, opt = acc.prepare(heads, opt)
     state_path, start_epoch = out / "train_state.pt", 0
