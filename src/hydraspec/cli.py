@@ -117,7 +117,7 @@ def cmd_generate(args) -> int:
         raise HydraspecError("method 'draft' needs --draft-model")
     if args.method in ("medusa", "hydra") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
@@ -172,7 +172,7 @@ def cmd_train_heads(args) -> int:
         from .train.docprompts import module_prompts
 
         pairs += module_prompts(limit=args.docstring_prompts)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     out = args.out
     data = args.data or os.path.join(out, "answers.jsonl")

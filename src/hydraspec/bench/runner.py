@@ -88,7 +88,7 @@ def run_bench(args, loader=None) -> int:
 
     device = args.device
     if pending:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
         load = loader or _default_loader
         model, tok = load(args.model, dtype=args.dtype, device=args.device)
         device = str(model.device)
