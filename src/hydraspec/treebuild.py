@@ -76,8 +76,9 @@ def _rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _positions(seq_len: int, prompt_len: int, depth: int) -> range:
-    # p: the hidden state h_p produced the pending token S[p + 1]; all depths need S[p + 1 + depth] to exist
-    return range(max(prompt_len - 1, 0), seq_len - 1 - depth)
+    # p: the hidden state h_p produced the pending token S[p + 1]. The engine's first pending token is the
+    # last prompt token (p = prompt_len - 2); all depths need S[p + 1 + depth] to exist.
+    return range(max(prompt_len - 2, 0), seq_len - 1 - depth)
 
 
 @torch.inference_mode()
