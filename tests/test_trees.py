@@ -275,7 +275,31 @@ def test_dynamic_tree_refuses_depth_beyond_heads():
 E2E_VOCAB = 24
 
 
-class GreedyWithQ(DynamicHeadDrafter):
+class NoisyOracleHydra(torch.nn.Module):
+    """Hydra-like heads that run the target on context + path and add a fixed noise vector per head: a
+    drafter close to, but not equal to, the target (random tiny heads hardly ever agree with it)."""
+
+    kind = "hydra"
+
+    def __init__(self, model, num_heads, scale=1.0, seed=5):
+        super().__init__()
+        self.model, self.num_heads, self.context = model, num_heads, []
+        g = torch.Generator().manual_seed(seed)
+        self.noise = torch.randn(num_heads, model.config.vocab_size, generator=g) * scale
+
+    def logits(self, k, hidden, path_emb=None):
+        rows = [tiny.full_logits(self.model, self.context[:-1] + path_emb[r].argmax(-1).tolist())[-1]
+                for r in range(hidden.shape[0])]
+        return torch.stack(rows) + self.noise[k]
+
+
+class OracleDynamic(DynamicHeadDrafter):
+    def propose(self, state):
+        self.heads.context = list(state.tokens)
+        return super().propose(state)
+
+
+class GreedyWithQ(OracleDynamic):
     """WRONG on purpose: proposes the top tokens but reports the warped q as if they had been drawn."""
 
     def propose(self, state):
@@ -312,9 +336,10 @@ def test_dynamic_trees_keep_the_target_distribution(kind, tok):
         drafter = make_drafter("draft", draft_model=tiny.noisy_copy(model, 0.5, seed=8), tree="dynamic",
                                tree_nodes=6, tree_depth=2, tree_topk=3)
     else:
-        heads = noisy_heads(model, "hydra", num_heads=2, scale=0.3, seed=3)
-        cls = GreedyWithQ if kind == "broken" else DynamicHeadDrafter
-        drafter = cls(heads, model.get_input_embeddings(), nodes=6, depth=2, topk=3)
+        heads = NoisyOracleHydra(model, 2)
+        onehot = lambda ids: torch.nn.functional.one_hot(ids, E2E_VOCAB).float()  # noqa: E731
+        cls = GreedyWithQ if kind == "broken" else OracleDynamic
+        drafter = cls(heads, onehot, nodes=6, depth=2, topk=3)
     S = Sampling(0.7, 5)
     p0 = S.probs(tiny.full_logits(model, prompt)[-1])
     p1 = torch.stack([S.probs(tiny.full_logits(model, prompt + [y])[-1]) for y in range(E2E_VOCAB)])
