@@ -468,3 +468,28 @@ def test_cli_build_tree_heads_and_errors(saved, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _run(capsys, "build-tree", "--model", saved / "target", "--prompts", saved / "calib.jsonl", "--out", out)
     assert "one of the arguments --heads --draft-model is required" in capsys.readouterr().err
+
+
+def test_bench_takes_a_tree_file_and_dynamic_trees(tmp_path):
+    import argparse
+
+    from hydraspec.bench import add_parser, run_bench
+
+    tk = tiny.make_tokenizer()
+    target = tiny.cached_model("llama", "sdpa", 1)
+    models = {"t": (target, tk), "d": (tiny.noisy_copy(target, 0.1), tk)}
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "category": "c", "turns": ["w1 w2 w3 w4"]}))
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"format": "hydraspec-tree", "paths": [[0], [1], [0, 0]]}))
+    for spec in ([str(tree)], ["dynamic", "--tree-nodes", "5", "--tree-depth", "3"]):
+        p = argparse.ArgumentParser()
+        add_parser(p.add_subparsers(dest="cmd"))
+        out = tmp_path / f"run-{spec[0][-4:]}"
+        args = p.parse_args(["bench", "--model", "t", "--draft-model", "d", "--methods", "ar,draft", "--tree", *spec,
+                             "--prompts", str(prompts), "--max-new-tokens", "12", "--dtype", "float32",
+                             "--device", "cpu", "--out", str(out)])
+        assert run_bench(args, loader=lambda name, dtype, device: models[name]) == 0
+        s = json.loads((out / "results.json").read_text())["summary"]
+        assert s["table"]["draft"]["overall"]["identical_share"] == 1.0
+        assert s["table"]["draft"]["overall"]["mean_accepted"] > 1.0
