@@ -345,7 +345,8 @@ def measure_throughput(model, tokenizer, drafter, prompt_ids: list[list[int]], m
 
 
 def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: list[str], max_nodes: int = 100,
-               method: str = "simulate", select: str = "measure", heads=None, draft_model=None, depth: int | None = None,
+               method: str = "simulate", select: str = "measure", heads=None, draft_model=None,
+               depth: int | None = None,
                max_rank: int = 10, max_new_tokens: int = 128, confirm: int = 3, reps: int = 5, preselect: int = 8,
                log=print) -> dict:
     """Build a tree for `heads` (Medusa / Hydra) or `draft_model` (its top-k tree); returns the tree.json

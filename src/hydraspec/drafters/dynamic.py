@@ -102,7 +102,8 @@ def fill_sampled(parents: tuple[int, ...], root_q: torch.Tensor,
                  q_of: Callable[..., torch.Tensor], generator) -> DraftTree:
     """Sampling mode: draw every node's children without replacement from q given the node's sampled
     path. q_of(d, nodes, paths, node_parents) -> [len(nodes), V] the warped distributions of the
-    children (depth d) of those nodes. A node whose q has fewer nonzero tokens than children loses the extra children."""
+    children (depth d) of those nodes. A node whose q has fewer nonzero tokens than children loses the
+    extra children."""
     shape = shape_of(parents)
     n = len(parents)
     depth = shape.depth.tolist()
