@@ -56,6 +56,12 @@ class Calibration:
     def positions(self) -> int:
         return int(sum(r.shape[0] for r in self.ranks))
 
+    def rows(self) -> list[list[tuple[int, ...]]]:
+        """The ranks as tuples, computed once (replays look up their prefixes many times)."""
+        if getattr(self, "_rows", None) is None:
+            self._rows = [[tuple(int(x) for x in row) for row in r] for r in self.ranks]
+        return self._rows
+
 
 def greedy_sequences(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], int]]:
     """(prompt + the target's greedy continuation, prompt length), generated with the engine."""
@@ -179,11 +185,12 @@ def _accepted(r: np.ndarray, tree: set) -> int:
     return k
 
 
-def replay_steps(ranks: np.ndarray, tree: set) -> list[int]:
+def replay_steps(ranks, tree: set) -> list[int]:
     """Drafts accepted at each verify step when greedy decoding replays one calibration sequence with
     `tree` (a set of rank-path tuples): a step at position p accepts the longest matching prefix of
-    r(p) and emits it plus the bonus token, so the next step is at p + accepted + 1."""
-    rows = [tuple(int(x) for x in row) for row in ranks]
+    r(p) and emits it plus the bonus token, so the next step is at p + accepted + 1.
+    ranks: [positions, depth] array, or its rows as tuples."""
+    rows = ranks if isinstance(ranks, list) else [tuple(int(x) for x in row) for row in ranks]
     out, p = [], 0
     while p < len(rows):
         acc = _accepted(rows[p], tree)
@@ -195,7 +202,7 @@ def replay_steps(ranks: np.ndarray, tree: set) -> list[int]:
 def replay(cal: Calibration, tree: set) -> float:
     """Mean tokens per verify step (accepted drafts + the bonus token) over the calibration sequences."""
     tokens = steps = 0
-    for r in cal.ranks:
+    for r in cal.rows():
         acc = replay_steps(r, tree)
         tokens += sum(acc) + len(acc)
         steps += len(acc)
