@@ -89,7 +89,16 @@ def parse_methods(text) -> list[str]:
 
 
 def method_settings(name: str, args) -> dict:
-    return {k: getattr(args, k, None) for k in METHODS[name].settings}
+    s = {k: getattr(args, k, None) for k in METHODS[name].settings}
+    # dynamic-tree sizes only matter with --tree dynamic, and a draft chain has no tree: leaving them out
+    # keeps records made before --tree existed resumable
+    if str(s.get("tree") or "").strip().lower() != "dynamic":
+        s.pop("tree_nodes", None)
+        s.pop("tree_depth", None)
+        s.pop("tree_topk", None)
+    if name == "draft" and s.get("tree") is None:
+        s.pop("tree", None)
+    return s
 
 
 def _sync(device) -> None:
@@ -234,13 +243,14 @@ def _hf(kind: str):
 
 register(MethodSpec("ar", _engine("ar"), "plain autoregressive decoding through the hydraspec engine"))
 register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--draft-model, --draft-k)",
-                    needs_draft=True, settings=("draft_model", "draft_k", "tree", "tree_nodes", "tree_depth")))
+                    needs_draft=True,
+                    settings=("draft_model", "draft_k", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
                     settings=("pld_tokens",)))
 register(MethodSpec("medusa", _heads("medusa"), "hydraspec with Medusa heads (--heads, --tree)",
-                    needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth")))
+                    needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hydra", _heads("hydra"), "hydraspec with Hydra heads (--heads, --tree)",
-                    needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth")))
+                    needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hf-ar", _hf("ar"), "transformers generate(), plain decoding"))
 register(MethodSpec("hf-assisted", _hf("assisted"), "transformers assisted generation with --draft-model",
                     needs_draft=True, settings=("draft_model",)))
