@@ -36,7 +36,13 @@ def add_method_args(p) -> None:
     p.add_argument("--draft-confidence", type=float, default=0.4,
                    help="greedy chain drafting stops when the draft's top probability falls below this")
     p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra)")
-    p.add_argument("--tree", help="tree spec for head drafting: JSON file or JSON list of paths")
+    p.add_argument("--tree", help="token tree for medusa/hydra/draft: a tree.json from `hydraspec build-tree`, a "
+                                  "JSON list of rank paths, or 'dynamic' (--tree-nodes, --tree-depth, --tree-topk)")
+    p.add_argument("--tree-nodes", type=int, default=32, help="dynamic tree: nodes kept per step (default 32)")
+    p.add_argument("--tree-depth", type=int, help="dynamic tree: depth (default: the number of heads; 6 for a "
+                                                   "draft model)")
+    p.add_argument("--tree-topk", type=int, default=8,
+                   help="dynamic tree: nodes expanded per depth and children per node (default 8)")
     p.add_argument("--pld-tokens", type=int, default=10, help="most tokens prompt lookup proposes (default 10)")
     p.add_argument("--pld-ngram", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")
     p.add_argument("--pld-min-ngram", type=int, default=2, help="shortest n-gram it matches (default 2)")
@@ -65,7 +71,9 @@ def build_drafter(args, target_tok, draft=None, model=None):
         if not args.heads:
             raise HydraspecError(f"method '{method}' needs --heads DIR")
         heads, cfg = load_heads(args.heads, model, base_model=args.model)
-        tree = load_tree_spec(args.tree) if args.tree else cfg.get("default_tree")
+        if is_dynamic(args):
+            return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), **dynamic_options(args))
+        tree = load_tree_spec(args.tree, max_depth=heads.num_heads) if args.tree else cfg.get("default_tree")
         return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=tree)
     if method == "pld":
         return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram,
@@ -75,10 +83,29 @@ def build_drafter(args, target_tok, draft=None, model=None):
             raise HydraspecError("method 'draft' needs --draft-model")
         widths = _widths(args.draft_tree) if args.draft_tree else None
         dm, dtok = draft
+        if getattr(args, "tree", None):
+            if widths:
+                raise HydraspecError("give either --draft-tree or --tree, not both")
+            if is_dynamic(args):
+                return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                                    **dynamic_options(args))
+            from .tree import load_tree_spec
+
+            return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                                tree=load_tree_spec(args.tree))
         return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                             k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
                             confidence=args.draft_confidence)
     return make_drafter("ar")
+
+
+def is_dynamic(args) -> bool:
+    return isinstance(getattr(args, "tree", None), str) and args.tree.strip().lower() == "dynamic"
+
+
+def dynamic_options(args) -> dict:
+    return {"tree": "dynamic", "tree_nodes": getattr(args, "tree_nodes", None),
+            "tree_depth": getattr(args, "tree_depth", None), "tree_topk": getattr(args, "tree_topk", None)}
 
 
 def _widths(text: str) -> list[int]:
@@ -203,6 +230,55 @@ def cmd_train_heads(args) -> int:
     return 0
 
 
+def cmd_build_tree(args) -> int:
+    import torch
+
+    from .bench.prompts import load_questions
+    from .generator import SpeculativeGenerator
+    from .models import load_model
+    from .treebuild import build_tree, plot_tree, save_tree
+
+    if (args.heads is None) == (args.draft_model is None):
+        raise HydraspecError("build-tree needs exactly one of --heads DIR and --draft-model")
+    if args.max_nodes < 1 or args.max_new_tokens < 1:
+        raise HydraspecError("--max-nodes and --max-new-tokens must be at least 1")
+    questions = load_questions(args.prompts, limit=args.limit)
+    if not questions:
+        raise HydraspecError("no calibration prompts in " + ", ".join(args.prompts))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    heads = draft = None
+    if args.heads:
+        from .heads import load_heads
+
+        heads, _ = load_heads(args.heads, model, base_model=args.model)
+    else:
+        from .drafters import check_vocab
+
+        draft, dtok = load_model(args.draft_model, dtype=args.dtype, device=args.device)
+        check_vocab(tok, dtok)
+    gen = SpeculativeGenerator(model, tok)
+    names = [f"{q.source}:{q.question_id}" for q in questions]
+    prompt_ids = [gen.encode(q.turns[0]) for q in questions]
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    log(f"calibration prompts ({len(names)}, first turns) from {', '.join(args.prompts)}: {', '.join(names)}")
+    result = build_tree(model, tok, prompt_ids=prompt_ids, prompt_names=names, max_nodes=args.max_nodes,
+                        method=args.method, select=args.select, heads=heads, draft_model=draft,
+                        depth=args.max_depth, max_rank=args.max_rank, max_new_tokens=args.max_new_tokens,
+                        confirm=args.confirm, reps=args.reps, log=log)
+    result["model"] = args.model
+    result["drafter"]["source"] = args.heads or args.draft_model
+    result["calibration"]["files"] = [str(p) for p in args.prompts]
+    save_tree(result, args.out)
+    print(f"tree of {result['nodes']} nodes ({result['method']}, select {result['select']}) saved in {args.out}; "
+          f"use it with --tree {args.out}")
+    if args.plot:
+        png = os.path.splitext(args.out)[0] + ".png"
+        plot_tree(result, png)
+        print(f"plot saved in {png}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -260,6 +336,31 @@ def make_parser() -> argparse.ArgumentParser:
                         "training; exactness unchanged); 0 = the whole vocabulary")
     t.add_argument("--heldout", type=float, default=0.1, help="share of prompts held out for accuracy")
     t.set_defaults(func=cmd_train_heads)
+
+    b = sub.add_parser("build-tree", help="grow a token tree for heads or a draft model from calibration data",
+                       description="Measure how often the drafter's ranked proposals are the target's greedy "
+                                   "tokens on calibration prompts, grow nested trees T1..TN, optionally time them "
+                                   "on this device and keep the fastest; writes tree.json for --tree.")
+    add_model_args(b)
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--heads", help="trained Medusa/Hydra heads directory")
+    src.add_argument("--draft-model", help="draft model sharing the target's tokenizer (its top-k tree)")
+    b.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
+                   help="calibration prompts (Spec-Bench jsonl, first turns); keep them apart from evaluation prompts")
+    b.add_argument("--limit", type=int, help="first N prompts of each category")
+    b.add_argument("--max-nodes", type=int, default=100, help="largest tree (default 100)")
+    b.add_argument("--method", default="simulate", choices=("medusa", "simulate"),
+                   help="medusa: independent per-depth accuracies; simulate: replay decoding (default)")
+    b.add_argument("--select", default="measure", choices=("measure", "none"),
+                   help="measure: time trees on this device and keep the fastest; none: keep the largest")
+    b.add_argument("--plot", action="store_true", help="also write OUT.png")
+    b.add_argument("--out", required=True, help="tree.json to write")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per calibration prompt")
+    b.add_argument("--max-depth", type=int, help="deepest tree level (default: number of heads; 6 for a draft model)")
+    b.add_argument("--max-rank", type=int, default=10, help="most children per node considered (default 10)")
+    b.add_argument("--confirm", type=int, default=3, help="trees confirmed by end-to-end generation (default 3)")
+    b.add_argument("--reps", type=int, default=5, help="timed repetitions per sampled tree size (default 5)")
+    b.set_defaults(func=cmd_build_tree)
 
     d = sub.add_parser("demo", help="the default model answering with and without speculation")
     d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

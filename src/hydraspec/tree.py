@@ -129,15 +129,45 @@ def parents_from_paths(paths: list[list[int]]) -> tuple[tuple[int, ...], tuple[i
     return parents, ranks
 
 
-def load_tree_spec(path_or_json) -> list[list[int]]:
-    if isinstance(path_or_json, (list, tuple)):
-        return [list(p) for p in path_or_json]
-    text = str(path_or_json)
-    p = Path(text)
-    try:
-        data = json.loads(p.read_text()) if p.exists() else json.loads(text)
-    except json.JSONDecodeError as e:
-        raise HydraspecError(f"tree spec {text!r} is neither a JSON file nor JSON: {e}") from None
+TREE_FORMAT = "hydraspec-tree"
+
+
+def load_tree_spec(path_or_json, max_depth: int | None = None) -> list[list[int]]:
+    """A tree spec from a list of paths, a dict (tree.json: its "paths"), a JSON file or a JSON string.
+    Validates it (see parents_from_paths) and, with max_depth, refuses paths deeper than that."""
+    if isinstance(path_or_json, dict):
+        data = path_or_json
+    elif isinstance(path_or_json, (list, tuple)):
+        data = [list(p) if isinstance(p, (list, tuple)) else p for p in path_or_json]
+    else:
+        text = str(path_or_json)
+        p = Path(text)
+        try:
+            is_file = p.is_file()
+        except OSError:  # e.g. a JSON string too long to be a file name
+            is_file = False
+        try:
+            data = json.loads(p.read_text()) if is_file else json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HydraspecError(f"tree spec {text[:80]!r} is neither a JSON file nor JSON: {e}") from None
+        except OSError as e:
+            raise HydraspecError(f"cannot read tree spec '{text}': {e.strerror or e}") from None
     if isinstance(data, dict):
         data = data.get("paths", data.get("tree"))
-    return [list(x) for x in data] if isinstance(data, list) else data
+        if data is None:
+            raise HydraspecError("tree spec object has no 'paths' list")
+    if not isinstance(data, list):
+        raise HydraspecError(f"a tree spec must be a list of paths such as [[0], [0, 0], [1]], got "
+                             f"{type(data).__name__}")
+    paths = [list(x) if isinstance(x, (list, tuple)) else x for x in data]
+    parents_from_paths(paths)  # raises a clear error on bad paths, duplicates and missing parents
+    if max_depth is not None:
+        deep = max(len(x) for x in paths)
+        if deep > max_depth:
+            raise HydraspecError(f"tree depth {deep} exceeds the number of heads ({max_depth})")
+    return paths
+
+
+def bfs_paths(paths: list[list[int]]) -> list[list[int]]:
+    """The paths in the breadth-first order tree.py uses (depth, then ranks)."""
+    return [list(t) for t in sorted({tuple(p) for p in paths}, key=lambda t: (len(t), t))]

@@ -32,8 +32,11 @@ def add_parser(subparsers):
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (methods draft, hf-assisted)")
     p.add_argument("--heads", metavar="DIR",
                    help="trained Medusa/Hydra heads directory (methods medusa, hydra)")
-    p.add_argument("--tree", help="tree spec for the head methods: JSON file or JSON list of paths "
-                                  "(default: the heads' own default tree)")
+    p.add_argument("--tree", help="token tree for medusa/hydra/draft: tree.json (hydraspec build-tree), JSON list of "
+                                  "rank paths, or 'dynamic' (default: the heads' own default tree; a chain for draft)")
+    p.add_argument("--tree-nodes", type=int, default=32, help="dynamic tree: nodes kept per step (default 32)")
+    p.add_argument("--tree-depth", type=int, help="dynamic tree: depth (default: number of heads; 6 for draft)")
+    p.add_argument("--tree-topk", type=int, default=8, help="dynamic tree: expanded nodes / children (default 8)")
     p.add_argument("--methods", default=DEFAULT_METHODS, metavar="M1,M2,...",
                    help=f"comma-separated, run in this order (default {DEFAULT_METHODS}); known: {known}")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",

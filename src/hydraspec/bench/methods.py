@@ -89,7 +89,16 @@ def parse_methods(text) -> list[str]:
 
 
 def method_settings(name: str, args) -> dict:
-    return {k: getattr(args, k, None) for k in METHODS[name].settings}
+    s = {k: getattr(args, k, None) for k in METHODS[name].settings}
+    # dynamic-tree sizes only matter with --tree dynamic, and a draft chain has no tree: leaving them out
+    # keeps records made before --tree existed resumable
+    if str(s.get("tree") or "").strip().lower() != "dynamic":
+        s.pop("tree_nodes", None)
+        s.pop("tree_depth", None)
+        s.pop("tree_topk", None)
+    if name == "draft" and s.get("tree") is None:
+        s.pop("tree", None)
+    return s
 
 
 def _sync(device) -> None:
@@ -129,8 +138,12 @@ def _engine(method: str):
             if ctx.draft is None:
                 raise HydraspecError("method 'draft' needs --draft-model")
             dm, dtok = ctx.draft
-            drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
-                                   k=a.draft_k)
+            if getattr(a, "tree", None):
+                drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
+                                       **_tree_options(a))
+            else:
+                drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
+                                       draft_tokenizer=dtok, k=a.draft_k)
         else:
             drafter = make_drafter(method)
         return EngineRunner(ctx, drafter)
@@ -138,16 +151,26 @@ def _engine(method: str):
     return factory
 
 
+def _tree_options(a, max_depth: int | None = None) -> dict:
+    """--tree as make_drafter options: 'dynamic' with its sizes, or validated rank paths (tree.json)."""
+    from ..tree import load_tree_spec
+
+    spec = a.tree
+    if isinstance(spec, str) and spec.strip().lower() == "dynamic":
+        return {"tree": "dynamic", "tree_nodes": getattr(a, "tree_nodes", None),
+                "tree_depth": getattr(a, "tree_depth", None), "tree_topk": getattr(a, "tree_topk", None)}
+    return {"tree": load_tree_spec(spec, max_depth=max_depth)}
+
+
 def _heads(method: str):
     def factory(ctx: BenchContext) -> Runner:
         from ..drafters import make_drafter
         from ..heads import load_heads
-        from ..tree import load_tree_spec
 
         heads, cfg = load_heads(ctx.heads, ctx.model, base_model=ctx.args.model)
         spec = getattr(ctx.args, "tree", None)
-        tree = load_tree_spec(spec) if spec else cfg.get("default_tree")
-        drafter = make_drafter(method, heads=heads, embed=ctx.model.get_input_embeddings(), tree=tree)
+        opts = _tree_options(ctx.args, heads.num_heads) if spec else {"tree": cfg.get("default_tree")}
+        drafter = make_drafter(method, heads=heads, embed=ctx.model.get_input_embeddings(), **opts)
         return EngineRunner(ctx, drafter)
 
     return factory
@@ -220,13 +243,14 @@ def _hf(kind: str):
 
 register(MethodSpec("ar", _engine("ar"), "plain autoregressive decoding through the hydraspec engine"))
 register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--draft-model, --draft-k)",
-                    needs_draft=True, settings=("draft_model", "draft_k")))
+                    needs_draft=True,
+                    settings=("draft_model", "draft_k", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
                     settings=("pld_tokens",)))
 register(MethodSpec("medusa", _heads("medusa"), "hydraspec with Medusa heads (--heads, --tree)",
-                    needs_heads=True, settings=("heads", "tree")))
+                    needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hydra", _heads("hydra"), "hydraspec with Hydra heads (--heads, --tree)",
-                    needs_heads=True, settings=("heads", "tree")))
+                    needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hf-ar", _hf("ar"), "transformers generate(), plain decoding"))
 register(MethodSpec("hf-assisted", _hf("assisted"), "transformers assisted generation with --draft-model",
                     needs_draft=True, settings=("draft_model",)))

@@ -10,7 +10,19 @@ METHODS = ("ar", "draft", "pld", "medusa", "hydra")
 
 def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
                  **options) -> Drafter:
-    """Build the drafter for a method name: 'ar' (none), 'draft' (needs draft_model), 'pld'."""
+    """Build the drafter for a method name: 'ar' (none), 'draft' (needs draft_model), 'pld', 'medusa' /
+    'hydra' (heads=, embed=).
+
+    tree= (draft, medusa, hydra): a list of rank paths, a tree.json file / its dict (from `hydraspec
+    build-tree`), or "dynamic" for a dynamic tree of tree_nodes nodes, tree_depth levels and tree_topk
+    children per expanded node."""
+    from .dynamic import parse_dynamic
+
+    tree = options.pop("tree", None)
+    dyn = {k: options.pop(k) for k in ("tree_nodes", "tree_depth", "tree_topk") if options.get(k) is not None}
+    dyn = {k.removeprefix("tree_"): v for k, v in dyn.items()}
+    for k in ("tree_nodes", "tree_depth", "tree_topk"):
+        options.pop(k, None)
     if method == "ar":
         return NoDrafter()
     if method == "pld":
@@ -20,6 +32,12 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
             raise HydraspecError("method 'draft' needs a draft model (--draft-model)")
         if target_tokenizer is not None and draft_tokenizer is not None:
             check_vocab(target_tokenizer, draft_tokenizer)
+        if parse_dynamic(tree):
+            from .dynamic import DynamicDraftModelDrafter
+
+            return DynamicDraftModelDrafter(draft_model, **dyn)
+        if tree is not None:
+            options["tree"] = tree
         return DraftModelDrafter(draft_model, **options)
     if method in ("medusa", "hydra"):
         heads, embed = options.get("heads"), options.get("embed")
@@ -30,5 +48,9 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         from ..heads.checkpoint import default_tree
         from .heads import HeadDrafter
 
-        return HeadDrafter(heads, embed, options.get("tree") or default_tree(heads.num_heads))
+        if parse_dynamic(tree):
+            from .dynamic import DynamicHeadDrafter
+
+            return DynamicHeadDrafter(heads, embed, **dyn)
+        return HeadDrafter(heads, embed, tree or default_tree(heads.num_heads))
     raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")

@@ -33,19 +33,30 @@ class DraftModelDrafter(Drafter):
     children without replacement from the draft's warped distribution and reports it as q.
     The draft model keeps its own cache, compacted to the accepted path after every step.
     `confidence`: in greedy chain mode, stop drafting once the draft's top probability falls below it.
+    `tree`: a static tree of sibling-rank paths (Medusa "choices", e.g. from `hydraspec build-tree`, a
+    tree.json file or its dict) instead of `widths`: node [.., r] holds its parent's rank-r draft token.
     """
 
     name = "draft"
 
     def __init__(self, model, k: int = 5, dynamic: bool = True, widths: list[int] | None = None,
-                 max_k: int = 16, confidence: float = 0.4):
+                 max_k: int = 16, confidence: float = 0.4, tree=None):
         check_supported(model)
         self.model = model
+        self.tree_parents = None
+        if tree is not None:
+            from ..tree import load_tree_spec, parents_from_paths
+
+            if widths:
+                raise HydraspecError("give a draft tree either as widths or as paths, not both")
+            self.tree_paths = load_tree_spec(tree)
+            self.tree_parents, self.tree_ranks = parents_from_paths(self.tree_paths)
+            dynamic = False
         self.widths = list(widths) if widths else None
         if self.widths and any(w < 1 for w in self.widths):
             raise HydraspecError("tree widths must be positive integers")
         self.k0, self.k, self.max_k = k, k, max_k
-        self.dynamic = dynamic and not self.widths
+        self.dynamic = dynamic and not self.widths and self.tree_parents is None
         self.confidence = confidence
         self.log_confidence = math.log(confidence) if confidence > 0 else float("-inf")
         if self.widths:
@@ -56,6 +67,8 @@ class DraftModelDrafter(Drafter):
             self.max_nodes = n
         else:
             self.max_nodes = max_k if self.dynamic else k
+        if self.tree_parents is not None:
+            self.max_nodes = len(self.tree_parents)
 
     def start(self, state: DecodeState, capacity: int) -> None:
         self.cache = new_cache(self.model, capacity + self.max_nodes + 1)
@@ -75,6 +88,8 @@ class DraftModelDrafter(Drafter):
         logits, _ = forward_nodes(self.model, self.cache, feed, pos, None, self.n_cached, last_only=True)
         self.n_cached = prefix = len(toks)
         sampling, greedy = state.sampling, state.sampling.greedy
+        if self.tree_parents is not None:
+            return self._propose_paths(state, logits[-1], prefix)
         widths = self._depth_widths()
 
         tokens: list[int] = []
@@ -114,6 +129,58 @@ class DraftModelDrafter(Drafter):
         if qrows:
             q = torch.stack(qrows)
         return DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents), q)
+
+    def _propose_paths(self, state: DecodeState, root_logits: torch.Tensor, prefix: int) -> DraftTree:
+        """A static tree of rank paths: one draft forward per depth over all nodes of that depth."""
+        parents, ranks = self.tree_parents, self.tree_ranks
+        shape = shape_of(parents)
+        n, dev = len(parents), self.model.device
+        depth = shape.depth.tolist()
+        max_d = depth[-1]
+        greedy, sampling = state.sampling.greedy, state.sampling
+        tokens = [0] * n
+        qrows: list[torch.Tensor | None] = [None] * n
+        drawn = [greedy] * n
+        row_of = {-1: root_logits}
+        start = 0
+        for d in range(max_d + 1):
+            end = start
+            while end < n and depth[end] == d:
+                end += 1
+            kids: dict[int, list[int]] = {}
+            for i in range(start, end):
+                kids.setdefault(parents[i], []).append(i)
+            for p, children in kids.items():
+                lg = row_of[p]
+                if greedy:
+                    top = torch.topk(lg, max(ranks[c] for c in children) + 1).indices.tolist()
+                    for c in children:
+                        tokens[c] = top[ranks[c]]
+                else:
+                    probs = sampling.probs(lg)
+                    draws = sample_without_replacement(probs, len(children), state.generator).tolist()
+                    for c, x in zip(children, draws):
+                        tokens[c], qrows[c], drawn[c] = x, probs, True
+            if d == max_d:
+                break
+            anc = shape.ancestors[start:end, :end]
+            ids = torch.tensor(tokens[start:end], dtype=torch.long, device=dev)
+            lg_new, _ = forward_nodes(self.model, self.cache, ids, (prefix + shape.depth[start:end]).to(dev),
+                                      None if shape.is_chain else anc, prefix)
+            for i, row in zip(range(start, end), lg_new):
+                row_of[i] = row
+            start = end
+        self.n_fed = start  # nodes of depth < max_d, a BFS prefix, sit in the draft cache in index order
+        if greedy:
+            return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
+        if not all(drawn):  # fewer tokens with nonzero probability than children: cut the tree
+            from .heads import _prefix_closed, _reindex
+
+            keep = _prefix_closed(parents, {i for i in range(n) if drawn[i]})
+            self.n_fed = 0  # indices change: keep nothing of this tree in the draft cache
+            return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.long), _reindex(parents, keep),
+                             torch.stack([qrows[i] for i in keep]) if keep else None)
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qrows))
 
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
         kept = [i for i in accepted if i < self.n_fed]

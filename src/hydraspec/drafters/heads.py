@@ -23,6 +23,10 @@ class HeadDrafter(Drafter):
     def __init__(self, heads, embed: torch.nn.Module, paths: list[list[int]]):
         self.heads, self.embed = heads, embed
         self.name = heads.kind
+        if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
+            from ..tree import load_tree_spec  # a tree.json file, its dict or a JSON string
+
+            paths = load_tree_spec(paths)
         parents, ranks = parents_from_paths(paths)
         shape = shape_of(parents)
         depth = int(shape.depth.max()) + 1

@@ -1,0 +1,495 @@
+"""Data-driven token trees (`hydraspec build-tree`).
+
+Calibration data are the target's own greedy continuations of calibration prompts, generated with the
+engine. At every position p of such a sequence S (S[p + 1] is the pending token, the hidden state h_p
+produced it) the drafter's depth-d proposals under the pending token aim at S[p + 2 + d]. Under greedy
+verification only the drafter's proposals along the *correct* path matter: a node can only be accepted
+if its parent was, and its token is right exactly when it equals the target's greedy token. So one
+number per (position, depth) says everything: r_d(p), the rank of S[p + 2 + d] among the drafter's
+proposals given the correct path (Medusa head d on h_p; Hydra head d on h_p and the embeddings of
+S[p + 1 .. p + 1 + d]; a draft model's next-token ranking after S[.. p + 1 + d]). A tree of rank paths
+then accepts, at position p, the longest prefix (r_0(p), ..., r_{k-1}(p)) that is one of its paths.
+
+Two ways to grow nested trees T_1 ⊂ T_2 ⊂ ... ⊂ T_N, one node at a time:
+
+- `medusa` (Cai et al. 2024): a_d^(i) = P(r_d = i), and under independence a path [i_0 .. i_{k-1}] is
+  accepted with probability Π_d a_d^(i_d); the expected tokens per verify step of a tree is 1 (the
+  target's bonus token) + the sum of its paths' probabilities; add the node with the largest one.
+- `simulate`: replay decoding on the calibration sequences with the tree (each step accepts the longest
+  matching prefix, then moves past the accepted tokens and the bonus token) and add the child that most
+  increases the observed mean tokens per step. Candidates are the children of the tree's nodes; the
+  `preselect` with the most matching positions are replayed.
+
+`--select measure` then times a verify step and the drafter's step for a few tree sizes on the actual
+device / dtype, predicts tokens/s(n) = E[tokens per step](T_n) / step_time(n), confirms the best few
+by generating on the calibration prompts and keeps the fastest.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import platform
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .errors import HydraspecError
+from .tree import TREE_FORMAT, bfs_paths, parents_from_paths, shape_of
+
+# ---- calibration data ----------------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """Per calibration sequence: an int array [positions, depth] of ranks r_d(p) (K = not in the top K)."""
+
+    ranks: list[np.ndarray]
+    depth: int
+    max_rank: int
+    prompts: list[str] = field(default_factory=list)  # ids of the calibration prompts used
+
+    @property
+    def positions(self) -> int:
+        return int(sum(r.shape[0] for r in self.ranks))
+
+    def rows(self) -> list[list[tuple[int, ...]]]:
+        """The ranks as tuples, computed once (replays look up their prefixes many times)."""
+        if getattr(self, "_rows", None) is None:
+            self._rows = [[tuple(int(x) for x in row) for row in r] for r in self.ranks]
+        return self._rows
+
+
+def greedy_sequences(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], int]]:
+    """(prompt + the target's greedy continuation, prompt length), generated with the engine."""
+    from .generator import SpeculativeGenerator
+
+    gen = SpeculativeGenerator(model, tokenizer)
+    out = []
+    for ids in prompt_ids:
+        res = gen.generate(input_ids=ids, max_new_tokens=max_new_tokens)
+        out.append((list(ids) + list(res.token_ids), len(ids)))
+    return out
+
+
+def _rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Rank (0 = best) of target[i] in logits[i]: the number of tokens with a strictly higher logit."""
+    t = logits.gather(-1, target[:, None])
+    return (logits > t).sum(-1)
+
+
+def _positions(seq_len: int, prompt_len: int, depth: int) -> range:
+    # p: the hidden state h_p produced the pending token S[p + 1]. The engine's first pending token is the
+    # last prompt token (p = prompt_len - 2); all depths need S[p + 1 + depth] to exist.
+    return range(max(prompt_len - 2, 0), seq_len - 1 - depth)
+
+
+@torch.inference_mode()
+def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int = 64) -> list[np.ndarray]:
+    """r_d(p) for Medusa / Hydra heads on the target's hidden states along greedy sequences."""
+    if depth > heads.num_heads:
+        raise HydraspecError(f"tree depth {depth} exceeds the number of heads ({heads.num_heads})")
+    out = []
+    dev = model.device
+    for seq, plen in seqs:
+        ps = list(_positions(len(seq), plen, depth))
+        if not ps:
+            out.append(np.zeros((0, depth), dtype=np.int64))
+            continue
+        x = torch.tensor([seq], device=dev)
+        hid = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states[-1][0]
+        s = torch.tensor(seq, device=dev)
+        emb = embed(s[None])[0] if heads.kind != "medusa" else None
+        r = torch.zeros(len(ps), depth, dtype=torch.long)
+        for a in range(0, len(ps), chunk):
+            p = torch.tensor(ps[a:a + chunk], device=dev)
+            h = hid[p]
+            for d in range(depth):
+                if heads.kind == "medusa":
+                    lg = heads.logits(d, h).float()
+                else:
+                    idx = p[:, None] + 1 + torch.arange(d + 1, device=dev)[None]  # S[p+1 .. p+1+d]
+                    lg = heads.logits(d, h, emb[idx]).float()
+                r[a:a + len(ps[a:a + chunk]), d] = _rank_of(lg, s[p + 2 + d]).cpu()
+        out.append(r.clamp(max=max_rank).numpy())
+    return out
+
+
+@torch.inference_mode()
+def draft_ranks(draft_model, seqs, depth: int, max_rank: int) -> list[np.ndarray]:
+    """r_d(p) for a draft model's top-k tree: its next-token ranking after S[.. p + 1 + d]."""
+    out = []
+    dev = draft_model.device
+    for seq, plen in seqs:
+        ps = np.array(list(_positions(len(seq), plen, depth)), dtype=np.int64)
+        if not len(ps):
+            out.append(np.zeros((0, depth), dtype=np.int64))
+            continue
+        s = torch.tensor(seq, device=dev)
+        lg = draft_model(input_ids=s[None], use_cache=False).logits[0].float()
+        R = _rank_of(lg[:-1], s[1:]).cpu().numpy()  # R[j]: rank of S[j + 1] after S[.. j]
+        idx = ps[:, None] + 1 + np.arange(depth)[None]
+        out.append(np.minimum(R[idx], max_rank))
+    return out
+
+
+# ---- growing trees -------------------------------------------------------------------------------
+
+
+def acceptance_table(cal: Calibration) -> np.ndarray:
+    """a[d, i] = P(r_d = i): how often the drafter's rank-i proposal at depth d is the target's token."""
+    allr = np.concatenate(cal.ranks) if cal.ranks else np.zeros((0, cal.depth), dtype=np.int64)
+    a = np.zeros((cal.depth, cal.max_rank))
+    if len(allr):
+        for d in range(cal.depth):
+            a[d] = np.bincount(allr[:, d], minlength=cal.max_rank + 1)[: cal.max_rank] / len(allr)
+    return a
+
+
+def expected_tokens(paths: list[list[int]], a: np.ndarray) -> float:
+    """1 + Σ_paths Π_d a[d, path[d]]: expected tokens per verify step under independence."""
+    total = 1.0
+    for p in paths:
+        prob = 1.0
+        for d, i in enumerate(p):
+            prob *= a[d, i] if d < a.shape[0] and i < a.shape[1] else 0.0
+        total += prob
+    return total
+
+
+def grow_medusa(a: np.ndarray, max_nodes: int) -> tuple[list[list[int]], list[float]]:
+    """Greedy growth by path probability (paths in the order added: every prefix is a tree).
+    Returns the order and the expected tokens per step of T_1 .. T_N."""
+    depth, K = a.shape
+    heap = [(-float(a[0, i]), (i,)) for i in range(K)]
+    heapq.heapify(heap)
+    order, exp, total = [], [], 1.0
+    while heap and len(order) < max_nodes:
+        negp, path = heapq.heappop(heap)
+        order.append(list(path))
+        total += -negp
+        exp.append(total)
+        if len(path) < depth:
+            for i in range(K):
+                heapq.heappush(heap, (negp * float(a[len(path), i]), path + (i,)))
+    return order, exp
+
+
+def _accepted(r: np.ndarray, tree: set) -> int:
+    k = 0
+    while k < len(r) and tuple(r[: k + 1]) in tree:
+        k += 1
+    return k
+
+
+def replay_steps(ranks, tree: set) -> list[int]:
+    """Drafts accepted at each verify step when greedy decoding replays one calibration sequence with
+    `tree` (a set of rank-path tuples): a step at position p accepts the longest matching prefix of
+    r(p) and emits it plus the bonus token, so the next step is at p + accepted + 1.
+    ranks: [positions, depth] array, or its rows as tuples."""
+    rows = ranks if isinstance(ranks, list) else [tuple(int(x) for x in row) for row in ranks]
+    out, p = [], 0
+    while p < len(rows):
+        acc = _accepted(rows[p], tree)
+        out.append(acc)
+        p += acc + 1
+    return out
+
+
+def replay(cal: Calibration, tree: set) -> float:
+    """Mean tokens per verify step (accepted drafts + the bonus token) over the calibration sequences."""
+    tokens = steps = 0
+    for r in cal.rows():
+        acc = replay_steps(r, tree)
+        tokens += sum(acc) + len(acc)
+        steps += len(acc)
+    return tokens / steps if steps else 1.0
+
+
+def grow_simulate(cal: Calibration, max_nodes: int, preselect: int = 8) -> tuple[list[list[int]], list[float]]:
+    """Greedy growth by replayed mean tokens per step (no independence assumption)."""
+    counts: Counter = Counter()
+    for r in cal.ranks:
+        for row in r:
+            for k in range(cal.depth):
+                if row[k] >= cal.max_rank:
+                    break
+                counts[tuple(int(x) for x in row[: k + 1])] += 1
+    tree: set = set()
+    order, exp = [], []
+    while len(order) < max_nodes:
+        cands = [t for t in counts if t not in tree and (len(t) == 1 or t[:-1] in tree)]
+        if not cands:  # nothing observed can be added: grow by the next unused rank, deepest-first order
+            cands = [t + (i,) for t in sorted(tree, key=lambda t: (len(t), t)) + [()]
+                     for i in range(cal.max_rank) if len(t) < cal.depth and t + (i,) not in tree][:1]
+            if not cands:
+                break
+            best = cands[0]
+            score = replay(cal, tree | {best})
+        else:
+            cands.sort(key=lambda t: (-counts[t], len(t), t))
+            scored = [(replay(cal, tree | {t}), -counts[t], t) for t in cands[:preselect]]
+            scored.sort(key=lambda x: (-x[0], x[1], len(x[2]), x[2]))
+            score, _, best = scored[0]
+        tree.add(best)
+        order.append(list(best))
+        exp.append(score)
+    return order, exp
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+
+def machine_info(model) -> dict:
+    dev = model.device
+    info = {"device": str(dev), "dtype": str(model.dtype).removeprefix("torch."), "batch_size": 1,
+            "torch_threads": torch.get_num_threads()}
+    if dev.type == "cuda":
+        info["machine"] = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        info["machine"] = f"{name} ({os.cpu_count()} cores)"
+    return info
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def sample_sizes(n: int) -> list[int]:
+    sizes, s = [], 1
+    while s < n:
+        sizes.append(s)
+        s *= 2
+    return sizes + [n]
+
+
+def interpolate(sizes: list[int], values: list[float], n: int) -> float:
+    return float(np.interp(n, sizes, values))
+
+
+@torch.inference_mode()
+def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, sizes: list[int],
+               reps: int = 5, want_hidden: bool = True) -> dict[int, tuple[float, float]]:
+    """{n: (verify seconds, draft seconds)}: the median of `reps` verify forwards over the pending token
+    and T_n under its tree mask after the calibration prefix, and of `reps` drafter steps for T_n."""
+    from .cache import new_cache
+    from .drafters.base import DecodeState
+    from .sampling import Sampling
+    from .verify import forward_nodes
+
+    dev = model.device
+    prefix = seq[: max(plen, 2)]
+    L = len(prefix) - 1
+    cache = new_cache(model, len(seq) + max(sizes) + reps + 8)
+    _, hid = forward_nodes(model, cache, torch.tensor(prefix[:-1], device=dev), torch.arange(L, device=dev), None, 0,
+                           want_hidden=True, last_only=True)
+    hidden = hid[-1]
+    out = {}
+    for n in sizes:
+        paths = bfs_paths(order[:n])
+        parents, _ = parents_from_paths(paths)
+        shape = shape_of((-1,) + tuple(p + 1 for p in parents))
+        ids = torch.tensor([prefix[-1]] + [seq[(L + 1 + i) % len(seq)] for i in range(n)], device=dev)
+        positions = (L + shape.depth).to(dev)
+        anc = None if shape.is_chain else shape.ancestors
+        times = []
+        for _ in range(reps + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            forward_nodes(model, cache, ids, positions, anc, L, want_hidden=want_hidden)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+            cache.crop(L)
+        verify = float(np.median(times[1:]))
+        drafter = make(paths)
+        tokens = list(prefix)
+        state = DecodeState(tokens=tokens, prompt_len=plen, sampling=Sampling(), hidden=hidden)
+        drafter.start(state, len(seq) + max(sizes) + reps + 8)
+        dtimes = []
+        for r in range(reps + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            drafter.propose(state)
+            _sync(dev)
+            dtimes.append(time.perf_counter() - t0)
+            drafter.observe(state, [])
+            state.tokens.append(seq[(len(state.tokens)) % len(seq)])  # one new token per step, as in decoding
+        out[n] = (verify, float(np.median(dtimes[1:])))
+    return out
+
+
+def measure_throughput(model, tokenizer, drafter, prompt_ids: list[list[int]], max_new_tokens: int) -> float:
+    """End-to-end tokens/s of greedy generation over the calibration prompts (after one warm-up)."""
+    from .generator import SpeculativeGenerator
+
+    gen = SpeculativeGenerator(model, tokenizer, drafter)
+    gen.generate(input_ids=prompt_ids[0], max_new_tokens=min(8, max_new_tokens))
+    toks, wall = 0, 0.0
+    for ids in prompt_ids:
+        _sync(model.device)
+        t0 = time.perf_counter()
+        res = gen.generate(input_ids=ids, max_new_tokens=max_new_tokens)
+        _sync(model.device)
+        wall += time.perf_counter() - t0
+        toks += len(res.token_ids)
+    return toks / wall if wall > 0 else 0.0
+
+
+# ---- the whole build ------------------------------------------------------------------------------
+
+
+def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: list[str], max_nodes: int = 100,
+               method: str = "simulate", select: str = "measure", heads=None, draft_model=None,
+               depth: int | None = None,
+               max_rank: int = 10, max_new_tokens: int = 128, confirm: int = 3, reps: int = 5, preselect: int = 8,
+               log=print) -> dict:
+    """Build a tree for `heads` (Medusa / Hydra) or `draft_model` (its top-k tree); returns the tree.json
+    dict. prompt_names are recorded as the calibration prompts used."""
+    if (heads is None) == (draft_model is None):
+        raise HydraspecError("build-tree needs exactly one drafter: heads or a draft model")
+    if method not in ("medusa", "simulate"):
+        raise HydraspecError(f"unknown tree method '{method}'; known: medusa, simulate")
+    if select not in ("measure", "none"):
+        raise HydraspecError(f"unknown selection '{select}'; known: measure, none")
+    if max_nodes < 1 or max_rank < 1:
+        raise HydraspecError("--max-nodes and --max-rank must be at least 1")
+    if not prompt_ids:
+        raise HydraspecError("build-tree needs at least one calibration prompt")
+    if heads is not None:
+        depth = heads.num_heads if depth is None else depth
+        if depth > heads.num_heads:
+            raise HydraspecError(f"tree depth {depth} exceeds the number of heads ({heads.num_heads})")
+    depth = depth or 6
+    if depth < 1:
+        raise HydraspecError("--max-depth must be at least 1")
+
+    t0 = time.perf_counter()
+    seqs = greedy_sequences(model, tokenizer, prompt_ids, max_new_tokens)
+    log(f"calibration: {len(seqs)} greedy continuations ({sum(len(s) - p for s, p in seqs)} tokens) "
+        f"in {time.perf_counter() - t0:.1f} s")
+    if heads is not None:
+        ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank)
+        kind = heads.kind
+    else:
+        ranks = draft_ranks(draft_model, seqs, depth, max_rank)
+        kind = "draft"
+    cal = Calibration(ranks, depth, max_rank, list(prompt_names))
+    if cal.positions == 0:
+        raise HydraspecError(f"no calibration positions: the continuations are shorter than the tree depth "
+                             f"({depth}) + 2; raise --max-new-tokens or use longer prompts")
+    a = acceptance_table(cal)
+    if method == "medusa":
+        order, exp = grow_medusa(a, max_nodes)
+    else:
+        order, exp = grow_simulate(cal, max_nodes, preselect=preselect)
+    N = len(order)
+    log(f"{method}: {N} nested trees from {cal.positions} positions; expected tokens/step "
+        f"T1 {exp[0]:.3f}, T{N} {exp[-1]:.3f}")
+
+    def make(paths):
+        from .drafters import make_drafter
+
+        if heads is not None:
+            return make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(), tree=paths)
+        return make_drafter("draft", draft_model=draft_model, tree=paths)
+
+    sizes = [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
+              "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
+              "measured_tokens_per_s": None} for n in range(1, N + 1)]
+    best = N
+    if select == "measure":
+        sample = sample_sizes(N)
+        seq, plen = max(seqs, key=lambda x: len(x[0]))
+        timed = time_steps(model, make, order, seq, plen, sample, reps=reps, want_hidden=heads is not None)
+        vs, ds = [timed[n][0] for n in sample], [timed[n][1] for n in sample]
+        for row in sizes:
+            n = row["nodes"]
+            v, d = interpolate(sample, vs, n), interpolate(sample, ds, n)
+            row.update(verify_s=round(v, 6), draft_s=round(d, 6), step_s=round(v + d, 6),
+                       predicted_tokens_per_s=round(row["expected_tokens_per_step"] / (v + d), 4),
+                       timed=n in timed)
+        ranked = sorted(sizes, key=lambda r: -r["predicted_tokens_per_s"])[: max(1, confirm)]
+        for row in ranked:
+            row["measured_tokens_per_s"] = round(
+                measure_throughput(model, tokenizer, make(bfs_paths(order[: row["nodes"]])), prompt_ids,
+                                   max_new_tokens), 4)
+            log(f"  T{row['nodes']}: predicted {row['predicted_tokens_per_s']:.2f} tokens/s, measured "
+                f"{row['measured_tokens_per_s']:.2f}")
+        best = max(ranked, key=lambda r: r["measured_tokens_per_s"])["nodes"]
+    winner = bfs_paths(order[:best])
+    return {
+        "format": TREE_FORMAT, "version": 1,
+        "paths": winner, "nodes": best,
+        "notes": "paths: the chosen tree (rank paths, BFS order); order: the growth order, T_n = order[:n]; "
+                 "expected_tokens_per_step: accepted drafts + the target's bonus token, comparable to "
+                 "mean_accepted in hydraspec bench; times in seconds, measured on measured_on (batch size 1); "
+                 "measured_tokens_per_s: greedy generation on the calibration prompts",
+        "method": method, "select": select,
+        "drafter": {"kind": kind, "depth": depth, "max_rank": max_rank,
+                    **({"num_heads": heads.num_heads} if heads is not None else {})},
+        "order": order,
+        "acceptance": [[round(float(x), 5) for x in row] for row in a],
+        "sizes": sizes,
+        "measured_on": machine_info(model),
+        "calibration": {"prompts": list(prompt_names), "sequences": len(seqs), "positions": cal.positions,
+                        "max_new_tokens": max_new_tokens},
+    }
+
+
+def save_tree(result: dict, path) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def plot_tree(result: dict, path) -> None:
+    """PNG: expected tokens per step, step time and tokens/s against tree size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["sizes"]
+    n = [r["nodes"] for r in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 9), sharex=True)
+    axes[0].plot(n, [r["expected_tokens_per_step"] for r in rows], marker=".")
+    axes[0].set_ylabel("expected tokens / step")
+    if rows and rows[0]["step_s"] is not None:
+        axes[1].plot(n, [r["step_s"] * 1e3 for r in rows], label="verify + draft")
+        axes[1].plot(n, [r["verify_s"] * 1e3 for r in rows], label="verify", linestyle="--")
+        axes[1].legend()
+        axes[2].plot(n, [r["predicted_tokens_per_s"] for r in rows], label="predicted")
+        m = [(r["nodes"], r["measured_tokens_per_s"]) for r in rows if r["measured_tokens_per_s"] is not None]
+        if m:
+            axes[2].scatter(*zip(*m), color="C3", label="measured", zorder=3)
+        axes[2].legend()
+    else:
+        for ax in axes[1:]:
+            ax.text(0.5, 0.5, "not measured (--select none)", ha="center", va="center", transform=ax.transAxes)
+    axes[1].set_ylabel("step time (ms)")
+    axes[2].set_ylabel("tokens / s")
+    axes[2].set_xlabel("tree size (draft nodes)")
+    for ax in axes:
+        ax.axvline(result["nodes"], color="grey", linestyle=":")  # the chosen tree
+    axes[2].xaxis.get_major_locator().set_params(integer=True)
+    mo = result.get("measured_on", {})
+    fig.suptitle(f"{result['method']} tree, {mo.get('machine', '?')}, {mo.get('dtype', '?')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["Calibration", "build_tree", "grow_medusa", "grow_simulate", "replay", "replay_steps", "expected_tokens",
+           "acceptance_table", "head_ranks", "draft_ranks", "greedy_sequences", "save_tree", "plot_tree"]

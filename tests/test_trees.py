@@ -1,0 +1,495 @@
+"""Data-driven token trees (hydraspec.treebuild, `hydraspec build-tree`) and dynamic trees
+(hydraspec.drafters.dynamic): growth arithmetic, replay against the engine, tree.json, exactness and
+losslessness."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
+from hydraspec.drafters.draft_model import DraftModelDrafter
+from hydraspec.drafters.dynamic import DynamicDraftModelDrafter, DynamicHeadDrafter, grow_dynamic
+from hydraspec.drafters.heads import HeadDrafter
+from hydraspec.heads import build_heads
+from hydraspec.sampling import Sampling
+from hydraspec.tree import load_tree_spec, shape_of
+from hydraspec.treebuild import (
+    Calibration,
+    acceptance_table,
+    build_tree,
+    draft_ranks,
+    expected_tokens,
+    greedy_sequences,
+    grow_medusa,
+    grow_simulate,
+    head_ranks,
+    replay,
+    replay_steps,
+)
+
+PROMPT = [5, 9, 2, 7, 7, 1]
+
+
+def noisy_heads(model, kind, num_heads=3, scale=0.05, seed=0):
+    torch.manual_seed(seed)
+    heads = build_heads(kind, model, num_heads=num_heads)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return heads
+
+
+# ---- growth arithmetic ------------------------------------------------------------------------------
+
+
+def test_medusa_growth_on_a_hand_computed_example():
+    # a[d, i]: P(rank-i proposal at depth d is right)
+    a = np.array([[0.6, 0.2, 0.1],
+                  [0.5, 0.3, 0.0]])
+    order, exp = grow_medusa(a, 5)
+    # path probabilities: [0] .6, [0,0] .3, [1] .2, [0,1] .18, [1,0] .1 = [2] .1 (tie: shorter/lower first)
+    assert order == [[0], [0, 0], [1], [0, 1], [1, 0]]
+    assert exp == pytest.approx([1.6, 1.9, 2.1, 2.28, 2.38])
+    assert expected_tokens([[0], [1], [0, 0]], a) == pytest.approx(1 + 0.6 + 0.2 + 0.3)
+    # depth is bounded by the number of measured depths: nothing deeper than 2 is ever added
+    order, _ = grow_medusa(a, 9)
+    assert max(len(p) for p in order) == 2 and len(order) == 9
+    # every prefix of the growth order is a tree
+    for n in range(1, len(order) + 1):
+        assert all(len(p) == 1 or p[:-1] in order[:n] for p in order[:n])
+
+
+def test_acceptance_table_counts_ranks():
+    cal = Calibration([np.array([[0, 1], [0, 3], [2, 0], [3, 3]])], depth=2, max_rank=3)
+    a = acceptance_table(cal)  # rank 3 = "not in the top 3"
+    assert a.tolist() == [[0.5, 0.0, 0.25], [0.25, 0.25, 0.0]]
+
+
+def test_replay_walks_like_the_engine():
+    ranks = np.array([[0, 0], [1, 0], [0, 1], [0, 0], [5, 5], [0, 0]])
+    tree = {(0,), (0, 0)}
+    # p=0 accepts 2 -> p=3 accepts 2 -> p=6 ends
+    assert replay_steps(ranks, tree) == [2, 2]
+    assert replay_steps(ranks, {(1,)}) == [0, 1, 0, 0, 0]  # p=0:0, p=1:1, p=3:0, p=4:0, p=5:0
+    cal = Calibration([ranks], depth=2, max_rank=5)
+    assert replay(cal, tree) == pytest.approx(6 / 2)
+
+
+def test_simulate_sees_correlations_that_medusa_cannot():
+    """Half the positions have ranks (0, 0), half (1, 1): the marginals are all 0.5, so under
+    independence [0, 1] is as good as [0, 0]; replaying shows [0, 1] is never accepted."""
+    r = np.array([[0, 0], [1, 1]] * 20)
+    cal = Calibration([r], depth=2, max_rank=4)
+    order, exp = grow_simulate(cal, 4)
+    assert sorted(map(tuple, order)) == [(0,), (0, 0), (1,), (1, 1)]
+    assert exp[-1] == pytest.approx(3.0)  # every step accepts 2
+    assert exp == sorted(exp)
+    m_order, m_exp = grow_medusa(acceptance_table(cal), 4)
+    assert m_exp[-1] == pytest.approx(1 + 0.5 + 0.5 + 0.25 + 0.25)  # independence undercounts
+    assert [0, 1] in m_order or [1, 0] in m_order
+
+
+def test_simulate_with_the_target_as_its_own_draft_model(tok):
+    """An identical draft model ranks every greedy token first: the simulated tree is the chain of
+    rank 0 and decoding with it accepts (nearly) everything."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    seqs = greedy_sequences(model, tok, [PROMPT], 24)
+    ranks = draft_ranks(model, seqs, depth=3, max_rank=5)
+    assert ranks[0].shape == (24 - 3 + 1, 3) and (ranks[0] == 0).all()
+    order, exp = grow_simulate(Calibration(ranks, 3, 5), 3)
+    assert order == [[0], [0, 0], [0, 0, 0]]
+    assert exp[-1] > 3.5
+    gen = SpeculativeGenerator(model, tok, DraftModelDrafter(model, tree=order))
+    assert gen.generate(input_ids=PROMPT, max_new_tokens=24).stats.mean_accepted > 3.5
+
+
+class Recorder:
+    """Wraps a drafter and records the drafts accepted at every step, in order."""
+
+    def __init__(self, inner):
+        self.inner, self.steps = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, state):
+        return self.inner.propose(state)
+
+    def observe(self, state, accepted):
+        self.steps.append(len(accepted))
+        self.inner.observe(state, accepted)
+
+    def start(self, state, capacity):
+        self.steps = []
+        self.inner.start(state, capacity)
+
+
+@pytest.mark.parametrize("kind", ["draft", "medusa", "hydra"])
+def test_offline_replay_matches_the_engine_step_by_step(kind, tok):
+    """The recorded ranks use the engine's offsets: replaying a tree offline gives the same accepted
+    lengths, step by step, as decoding the same prompt with that tree (wrong offsets would not)."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    depth, n_new = 3, 40
+    seqs = greedy_sequences(model, tok, [PROMPT], n_new)
+    if kind == "draft":
+        draft = tiny.noisy_copy(model, 0.3)
+        ranks = draft_ranks(draft, seqs, depth, 10)
+        make = lambda paths: DraftModelDrafter(draft, tree=paths)  # noqa: E731
+    else:
+        heads = noisy_heads(model, kind, num_heads=depth, scale=0.3)
+        ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, 10)
+        make = lambda paths: HeadDrafter(heads, model.get_input_embeddings(), paths)  # noqa: E731
+    cal = Calibration(ranks, depth, 10)
+    order, _ = grow_simulate(cal, 8)
+    expect = replay_steps(ranks[0], set(map(tuple, order)))
+    rec = Recorder(make(order))
+    res = SpeculativeGenerator(model, tok, rec).generate(input_ids=PROMPT, max_new_tokens=n_new)
+    assert res.token_ids == seqs[0][0][len(PROMPT):]
+    assert sum(expect) > 2, "the test needs some accepted drafts to mean anything"
+    # replayed positions stop `depth` tokens before the end, before the engine trims drafts to its budget
+    assert rec.steps[:len(expect)] == expect
+
+
+# ---- tree.json ----------------------------------------------------------------------------------------
+
+
+def test_tree_json_round_trip_and_validation(tmp_path, tok):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = noisy_heads(model, "medusa", num_heads=3, scale=0.3)
+    res = build_tree(model, tok, prompt_ids=[PROMPT, [3, 4, 5]], prompt_names=["a:1", "a:2"], max_nodes=6,
+                     method="medusa", select="none", heads=heads, max_new_tokens=16, log=lambda m: None)
+    assert res["nodes"] == 6 and len(res["sizes"]) == 6 and res["calibration"]["prompts"] == ["a:1", "a:2"]
+    assert res["measured_on"]["dtype"] == "float32" and res["measured_on"]["batch_size"] == 1
+    f = tmp_path / "tree.json"
+    f.write_text(json.dumps(res))
+    paths = load_tree_spec(str(f))
+    assert paths == res["paths"] and len(paths) == 6
+    # the tree file is accepted by the drafters and make_drafter
+    for drafter in (HeadDrafter(heads, model.get_input_embeddings(), str(f)),
+                    make_drafter("medusa", heads=heads, embed=model.get_input_embeddings(), tree=str(f)),
+                    make_drafter("medusa", heads=heads, embed=model.get_input_embeddings(), tree=res),
+                    DraftModelDrafter(tiny.noisy_copy(model, 0.1), tree=str(f))):
+        assert drafter.max_nodes == 6
+    # clear errors
+    bad = [("[[0], [-1]]", "bad tree path"), ("[[0], [1, 0]]", "has no parent path [1]"),
+           ("[[0], [0]]", "appears twice"), ('{"nodes": 3}', "no 'paths'"), ('"x"', "must be a list"),
+           ("not json", "neither a JSON file nor JSON")]
+    for text, msg in bad:
+        with pytest.raises(HydraspecError, match=re.escape(msg)):
+            load_tree_spec(text)
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps({"paths": [[0], [0, 0], [0, 0, 0]]}))
+    with pytest.raises(HydraspecError, match="exceeds the number of heads"):
+        load_tree_spec(str(deep), max_depth=2)
+    with pytest.raises(HydraspecError, match="exceeds the number of heads"):
+        make_drafter("medusa", heads=build_heads("medusa", model, num_heads=2), embed=model.get_input_embeddings(),
+                     tree=str(deep))
+    with pytest.raises(HydraspecError, match="exceeds the number of heads"):
+        build_tree(model, tok, prompt_ids=[PROMPT], prompt_names=["x"], heads=heads, depth=4, select="none")
+
+
+def test_build_tree_measures_and_picks_the_fastest(tok):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    draft = tiny.noisy_copy(model, 0.1)
+    res = build_tree(model, tok, prompt_ids=[PROMPT], prompt_names=["p"], max_nodes=5, method="simulate",
+                     select="measure", draft_model=draft, depth=3, max_new_tokens=12, confirm=2, reps=1,
+                     log=lambda m: None)
+    rows = res["sizes"]
+    assert all(r["step_s"] > 0 and r["predicted_tokens_per_s"] > 0 for r in rows)
+    measured = [r for r in rows if r["measured_tokens_per_s"] is not None]
+    assert len(measured) == 2
+    assert res["nodes"] == max(measured, key=lambda r: r["measured_tokens_per_s"])["nodes"]
+    assert len(res["paths"]) == res["nodes"] and res["drafter"]["kind"] == "draft"
+
+
+# ---- dynamic trees --------------------------------------------------------------------------------------
+
+
+def test_grow_dynamic_keeps_the_most_probable_nodes():
+    V = 6
+    root = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.05, 0.03, 0.02]))
+    child = torch.log(torch.tensor([0.9, 0.05, 0.02, 0.01, 0.01, 0.01]))
+
+    def expand(d, nodes, paths, parents):
+        return child.expand(len(nodes), V)
+
+    parents, ranks, tokens = grow_dynamic(root, expand, nodes=4, depth=3, topk=2)
+    # scores: t0 .5, t0>0 .45, t0>0>0 .405, t1 .3, t1>0 .27, ...
+    assert parents == (-1, -1, 0, 2) and tokens == [0, 1, 0, 0] and ranks == (0, 1, 0, 0)
+    shape_of(parents)  # a valid BFS tree
+
+
+class Counting:
+    def __init__(self, inner):
+        self.inner, self.sizes = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, state):
+        t = self.inner.propose(state)
+        self.sizes.append((len(t), int(shape_of(t.parents).depth.max()) + 1 if len(t) else 0))
+        return t
+
+
+@pytest.mark.parametrize("kind", ["draft", "medusa", "hydra"])
+def test_dynamic_trees_are_exact_in_greedy_mode(kind, tok):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=PROMPT, max_new_tokens=30).token_ids
+    if kind == "draft":
+        inner = make_drafter("draft", draft_model=tiny.noisy_copy(model, 0.1), tree="dynamic", tree_nodes=10,
+                             tree_depth=4, tree_topk=3)
+        assert isinstance(inner, DynamicDraftModelDrafter)
+    else:
+        inner = make_drafter(kind, heads=noisy_heads(model, kind, 4), embed=model.get_input_embeddings(),
+                             tree="dynamic", tree_nodes=10, tree_depth=4, tree_topk=3)
+        assert isinstance(inner, DynamicHeadDrafter)
+    d = Counting(inner)
+    res = SpeculativeGenerator(model, tok, d).generate(input_ids=PROMPT, max_new_tokens=30)
+    assert res.token_ids == ref
+    assert all(n <= 10 and depth <= 4 for n, depth in d.sizes) and max(n for n, _ in d.sizes) == 10
+
+
+def test_dynamic_tree_with_a_perfect_drafter_accepts_its_whole_depth(tok):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    d = make_drafter("draft", draft_model=model, tree="dynamic", tree_nodes=4, tree_depth=4, tree_topk=1)
+    res = SpeculativeGenerator(model, tok, d).generate(input_ids=PROMPT, max_new_tokens=30)
+    assert res.stats.mean_accepted == pytest.approx(5.0, abs=0.5)
+
+
+def test_dynamic_tree_refuses_depth_beyond_heads():
+    model = tiny.cached_model("llama", "sdpa", 1)
+    with pytest.raises(HydraspecError, match="exceeds the number of heads"):
+        make_drafter("hydra", heads=build_heads("hydra", model, num_heads=2), embed=model.get_input_embeddings(),
+                     tree="dynamic", tree_depth=3)
+
+
+# ---- lossless sampling with dynamic trees ------------------------------------------------------------------
+
+
+E2E_VOCAB = 24
+
+
+class NoisyOracleHydra(torch.nn.Module):
+    """Hydra-like heads that run the target on context + path and add a fixed noise vector per head: a
+    drafter close to, but not equal to, the target (random tiny heads hardly ever agree with it)."""
+
+    kind = "hydra"
+
+    def __init__(self, model, num_heads, scale=1.0, seed=6):
+        super().__init__()
+        self.model, self.num_heads, self.context = model, num_heads, []
+        g = torch.Generator().manual_seed(seed)
+        self.noise = torch.randn(num_heads, model.config.vocab_size, generator=g) * scale
+
+    def logits(self, k, hidden, path_emb=None):
+        rows = [tiny.full_logits(self.model, self.context[:-1] + path_emb[r].argmax(-1).tolist())[-1]
+                for r in range(hidden.shape[0])]
+        return torch.stack(rows) + self.noise[k]
+
+
+class OracleDynamic(DynamicHeadDrafter):
+    def propose(self, state):
+        self.heads.context = list(state.tokens)
+        return super().propose(state)
+
+
+class GreedyWithQ(OracleDynamic):
+    """WRONG on purpose: proposes the top tokens but reports the warped q as if they had been drawn."""
+
+    def propose(self, state):
+        s = state.sampling
+        tree = super().propose(type(state)(tokens=state.tokens, prompt_len=state.prompt_len,
+                                           sampling=Sampling(), hidden=state.hidden))
+        h, pending = state.hidden, state.tokens[-1]
+        rows = []
+        for i in range(len(tree)):
+            path = [int(tree.tokens[j]) for j in shape_of(tree.parents).path_to(i)][:-1]
+            rows.append(s.probs(self._logits(len(path), h, pending, [path])[0]))
+        return type(tree)(tree.tokens, tree.parents, torch.stack(rows) if rows else None)
+
+
+def _two_token_counts(gen, prompt, n, sampling):
+    counts = torch.zeros(E2E_VOCAB, E2E_VOCAB, dtype=torch.long)
+    forwards = 0
+    for seed in range(n):
+        r = gen.generate(input_ids=prompt, max_new_tokens=2, seed=seed, **sampling)
+        counts[r.token_ids[0], r.token_ids[1]] += 1
+        forwards += r.stats.target_forwards
+    return counts, forwards
+
+
+@pytest.mark.parametrize("kind", ["draft", "hydra"])
+def test_dynamic_trees_keep_the_target_distribution(kind, tok):
+    from test_sampling import PASS_P, gof
+
+    tok = tiny.make_tokenizer(E2E_VOCAB)
+    model = tiny.cached_model("llama", "sdpa", 7, vocab=E2E_VOCAB, hidden=32, layers=1, init_range=0.2)
+    sampling = dict(temperature=0.7, top_k=5)
+    prompt, n = [3, 5, 7, 11], 500
+    if kind == "draft":
+        drafter = make_drafter("draft", draft_model=tiny.noisy_copy(model, 0.5, seed=8), tree="dynamic",
+                               tree_nodes=6, tree_depth=2, tree_topk=3)
+    else:
+        heads = NoisyOracleHydra(model, 2)
+        onehot = lambda ids: torch.nn.functional.one_hot(ids, E2E_VOCAB).float()  # noqa: E731
+        drafter = OracleDynamic(heads, onehot, nodes=6, depth=2, topk=3)
+    S = Sampling(0.7, 5)
+    p0 = S.probs(tiny.full_logits(model, prompt)[-1])
+    p1 = torch.stack([S.probs(tiny.full_logits(model, prompt + [y])[-1]) for y in range(E2E_VOCAB)])
+    joint = p0[:, None] * p1
+    counts, forwards = _two_token_counts(SpeculativeGenerator(model, tok, drafter), prompt, n, sampling)
+    assert n < forwards < 1.95 * n, forwards  # drafts were accepted some of the time, not always
+    pv = gof(counts, joint)
+    assert int(counts[joint <= 0].sum()) == 0
+    assert pv > PASS_P, f"dynamic-tree output does not follow the target (chi-square p = {pv:.2e})"
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_dynamic_first_token_marginal_and_negative_control(broken):
+    """The first emitted token over many draws: the dynamic Hydra drafter passes, and the same test
+    rejects a drafter that proposes the top tokens while reporting q as if it had drawn them."""
+    from test_sampling import PASS_P, gof
+
+    tok = tiny.make_tokenizer(E2E_VOCAB)
+    model = tiny.cached_model("llama", "sdpa", 7, vocab=E2E_VOCAB, hidden=32, layers=1, init_range=0.2)
+    prompt, n = [3, 5, 7, 11], 2000
+    onehot = lambda ids: torch.nn.functional.one_hot(ids, E2E_VOCAB).float()  # noqa: E731
+    drafter = (GreedyWithQ if broken else OracleDynamic)(NoisyOracleHydra(model, 2), onehot, nodes=4, depth=1,
+                                                         topk=3)
+    gen = SpeculativeGenerator(model, tok, drafter)
+    counts = torch.zeros(E2E_VOCAB, dtype=torch.long)
+    forwards = 0
+    for seed in range(n):  # 2 new tokens: with a budget of 1 the engine would trim every draft away
+        r = gen.generate(input_ids=prompt, max_new_tokens=2, seed=seed, temperature=0.7, top_k=5)
+        counts[r.token_ids[0]] += 1
+        forwards += r.stats.target_forwards
+    assert forwards < 1.95 * n  # drafts were accepted
+    p0 = Sampling(0.7, 5).probs(tiny.full_logits(model, prompt)[-1])
+    pv = gof(counts, p0)
+    if broken:
+        assert pv < 1e-3, f"the chi-square test failed to catch a drafter that lies about q (p = {pv:.2e})"
+    else:
+        assert pv > PASS_P, f"dynamic-tree output does not follow the target (chi-square p = {pv:.2e})"
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny.make_model("llama", seed=0)
+    tk = tiny.make_tokenizer()
+    target.save_pretrained(root / "target")
+    tk.save_pretrained(root / "target")
+    tiny.noisy_copy(target, 0.1).save_pretrained(root / "draft")
+    tk.save_pretrained(root / "draft")
+    calib = root / "calib.jsonl"
+    calib.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w{i + 3} w{i + 1}"]})
+                               for i in range(3)))
+    return root
+
+
+def _run(capsys, *argv):
+    from hydraspec.cli import main
+
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_build_tree_draft_model_end_to_end(saved, tmp_path, capsys):
+    out = tmp_path / "tree.json"
+    rc, stdout, err = _run(capsys, "build-tree", "--model", saved / "target", "--dtype", "float32",
+                           "--draft-model", saved / "draft", "--prompts", saved / "calib.jsonl", "--max-nodes", 5,
+                           "--method", "simulate", "--select", "measure", "--reps", 1, "--confirm", 2,
+                           "--max-new-tokens", 16, "--max-depth", 3, "--plot", "--out", out)
+    assert rc == 0, err
+    assert "calib:0, calib:1, calib:2" in err  # the calibration prompts used are printed...
+    d = json.loads(out.read_text())
+    assert d["calibration"]["prompts"] == ["calib:0", "calib:1", "calib:2"]  # ...and recorded
+    assert d["calibration"]["files"] == [str(saved / "calib.jsonl")]
+    for key in ("paths", "sizes", "measured_on", "method", "select", "order"):
+        assert key in d
+    assert {"machine", "dtype", "batch_size", "device"} <= set(d["measured_on"])
+    row = d["sizes"][0]
+    for key in ("nodes", "expected_tokens_per_step", "step_s", "predicted_tokens_per_s", "measured_tokens_per_s"):
+        assert key in row
+    png = tmp_path / "tree.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    common = ["generate", "--model", saved / "target", "--dtype", "float32", "--prompt", "w5 w6 w7",
+              "--max-new-tokens", 16, "--json"]
+    _, ar, _ = _run(capsys, *common)
+    rc, tr, err = _run(capsys, *common, "--method", "draft", "--draft-model", saved / "draft", "--tree", out)
+    assert rc == 0, err
+    rc, dy, err = _run(capsys, *common, "--method", "draft", "--draft-model", saved / "draft", "--tree", "dynamic",
+                       "--tree-nodes", 6, "--tree-depth", 3)
+    assert rc == 0, err
+    assert json.loads(tr)["token_ids"] == json.loads(dy)["token_ids"] == json.loads(ar)["token_ids"]
+
+
+def test_cli_build_tree_heads_and_errors(saved, tmp_path, capsys):
+    from hydraspec.heads import save_heads
+    from hydraspec.models import load_model
+
+    model, _ = load_model(str(saved / "target"), dtype="float32", device="cpu")
+    save_heads(noisy_heads(model, "hydra", num_heads=2, scale=0.3), tmp_path / "heads",
+               base_model=str(saved / "target"))
+    out = tmp_path / "t.json"
+    base = ["build-tree", "--model", saved / "target", "--dtype", "float32", "--heads", tmp_path / "heads",
+            "--prompts", saved / "calib.jsonl", "--max-new-tokens", 12, "--out", out]
+    rc, _, err = _run(capsys, *base, "--method", "medusa", "--select", "none", "--max-nodes", 4)
+    assert rc == 0, err
+    d = json.loads(out.read_text())
+    assert d["nodes"] == 4 and d["drafter"]["kind"] == "hydra" and max(len(p) for p in d["paths"]) <= 2
+    common = ["generate", "--model", saved / "target", "--dtype", "float32", "--prompt", "w5 w6 w7",
+              "--max-new-tokens", 10, "--json"]
+    _, ar, _ = _run(capsys, *common)
+    rc, hy, err = _run(capsys, *common, "--method", "hydra", "--heads", tmp_path / "heads", "--tree", out)
+    assert rc == 0, err
+    assert json.loads(hy)["token_ids"] == json.loads(ar)["token_ids"]
+    rc, hy, err = _run(capsys, *common, "--method", "hydra", "--heads", tmp_path / "heads", "--tree", "dynamic",
+                       "--tree-nodes", 5)
+    assert rc == 0, err
+    assert json.loads(hy)["token_ids"] == json.loads(ar)["token_ids"]
+    # errors: too deep for the heads, a broken tree file, no drafter
+    rc, _, err = _run(capsys, *base, "--max-depth", 3, "--select", "none")
+    assert rc == 2 and "exceeds the number of heads (2)" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"paths": [[0], [1, 1]]}))
+    rc, _, err = _run(capsys, *common, "--method", "hydra", "--heads", tmp_path / "heads", "--tree", bad)
+    assert rc == 2 and "has no parent path [1]" in err
+    with pytest.raises(SystemExit):
+        _run(capsys, "build-tree", "--model", saved / "target", "--prompts", saved / "calib.jsonl", "--out", out)
+    assert "one of the arguments --heads --draft-model is required" in capsys.readouterr().err
+
+
+def test_bench_takes_a_tree_file_and_dynamic_trees(tmp_path):
+    import argparse
+
+    from hydraspec.bench import add_parser, run_bench
+
+    tk = tiny.make_tokenizer()
+    target = tiny.cached_model("llama", "sdpa", 1)
+    models = {"t": (target, tk), "d": (tiny.noisy_copy(target, 0.1), tk)}
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "category": "c", "turns": ["w1 w2 w3 w4"]}))
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"format": "hydraspec-tree", "paths": [[0], [1], [0, 0]]}))
+    for spec in ([str(tree)], ["dynamic", "--tree-nodes", "5", "--tree-depth", "3"]):
+        p = argparse.ArgumentParser()
+        add_parser(p.add_subparsers(dest="cmd"))
+        out = tmp_path / f"run-{spec[0][-4:]}"
+        args = p.parse_args(["bench", "--model", "t", "--draft-model", "d", "--methods", "ar,draft", "--tree", *spec,
+                             "--prompts", str(prompts), "--max-new-tokens", "12", "--dtype", "float32",
+                             "--device", "cpu", "--out", str(out)])
+        assert run_bench(args, loader=lambda name, dtype, device: models[name]) == 0
+        s = json.loads((out / "results.json").read_text())["summary"]
+        assert s["table"]["draft"]["overall"]["identical_share"] == 1.0
+        assert s["table"]["draft"]["overall"]["mean_accepted"] > 1.0
