@@ -204,3 +204,18 @@ def test_draft_vocabulary_heads_are_exact_greedy_and_lossless_q(tok, tmp_path):
     assert all(t % 3 == 0 for t in tree.tokens.tolist())  # drafts come from the draft vocabulary only
     with pytest.raises(ValueError, match="distinct token ids"):
         build_heads("medusa", model, vocab_subset=[1, 1, 2])
+
+
+def test_dynamic_tree_with_prefix_layer_and_draft_vocab_is_exact(tok):
+    from hydraspec.drafters.dynamic import DynamicHeadDrafter
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = build_heads("hydra", model, num_heads=3, num_layers=2, prefix_layer=True,
+                        vocab_subset=list(range(1, model.config.vocab_size, 2)))
+    _perturb(heads, 0.05, seed=4)
+    prompt = [5, 9, 2, 7, 7, 1]
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=20)
+    drafter = DynamicHeadDrafter(heads, model.get_input_embeddings(), nodes=10, depth=3, topk=3)
+    res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=20)
+    assert res.token_ids == ref.token_ids
+    assert res.stats.target_forwards < 20 or res.stats.mean_accepted >= 1.0

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from .errors import HydraspecError
+from .drafters.heads import full_vocab_logits
 from .tree import TREE_FORMAT, bfs_paths, parents_from_paths, shape_of
 
 # ---- calibration data ----------------------------------------------------------------------------
@@ -101,6 +102,8 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
             continue
         x = torch.tensor([seq], device=dev)
         hid = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states[-1][0]
+        if getattr(heads, "prefix", None) is not None:  # Hydra++: what the heads read (same as step by step)
+            hid = heads.prefixed(hid)
         s = torch.tensor(seq, device=dev)
         emb = embed(s[None])[0] if heads.kind != "medusa" else None
         r = torch.zeros(len(ps), depth, dtype=torch.long)
@@ -109,10 +112,10 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
             h = hid[p]
             for d in range(depth):
                 if heads.kind == "medusa":
-                    lg = heads.logits(d, h).float()
+                    lg = full_vocab_logits(heads, heads.logits(d, h).float())
                 else:
                     idx = p[:, None] + 1 + torch.arange(d + 1, device=dev)[None]  # S[p+1 .. p+1+d]
-                    lg = heads.logits(d, h, emb[idx]).float()
+                    lg = full_vocab_logits(heads, heads.logits(d, h, emb[idx]).float())
                 r[a:a + len(ps[a:a + chunk]), d] = _rank_of(lg, s[p + 2 + d]).cpu()
         out.append(r.clamp(max=max_rank).numpy())
     return out
@@ -316,7 +319,7 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
         verify = float(np.median(times[1:]))
         drafter = make(paths)
         tokens = list(prefix)
-        state = DecodeState(tokens=tokens, prompt_len=plen, sampling=Sampling(), hidden=hidden)
+        state = DecodeState(tokens=tokens, prompt_len=plen, sampling=Sampling(), hidden=hidden, new_hidden=hid)
         drafter.start(state, len(seq) + max(sizes) + reps + 8)
         dtimes = []
         for r in range(reps + 1):

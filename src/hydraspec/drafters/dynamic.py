@@ -31,6 +31,7 @@ from ..tree import DraftTree, shape_of
 from ..verify import forward_nodes
 from .base import DecodeState, Drafter
 from .draft_model import DraftModelDrafter
+from .heads import PrefixInput, full_vocab_logits
 
 
 def check_dynamic(nodes: int, depth: int, topk: int, max_depth: int | None = None) -> None:
@@ -143,7 +144,7 @@ def _logp(sampling, logits: torch.Tensor) -> torch.Tensor:
     return torch.log(sampling.probs(logits))
 
 
-class DynamicHeadDrafter(Drafter):
+class DynamicHeadDrafter(PrefixInput, Drafter):
     """Medusa / Hydra heads with a dynamic tree of at most `nodes` nodes and `depth` (<= heads) levels."""
 
     needs_hidden = True
@@ -159,13 +160,13 @@ class DynamicHeadDrafter(Drafter):
     def _logits(self, d: int, h: torch.Tensor, pending: int, paths: list[list[int]]) -> torch.Tensor:
         """Head d's logits for the children (depth d) of nodes whose token paths are `paths` ([] = root)."""
         if self.heads.kind == "medusa":
-            return self.heads.logits(d, h[None]).float().expand(len(paths), -1)
+            return full_vocab_logits(self.heads, self.heads.logits(d, h[None]).float()).expand(len(paths), -1)
         ids = torch.tensor([[pending] + p for p in paths], device=h.device)
-        return self.heads.logits(d, h[None].expand(len(paths), -1), self.embed(ids)).float()
+        return full_vocab_logits(self.heads, self.heads.logits(d, h[None].expand(len(paths), -1), self.embed(ids)).float())
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
-        h = state.hidden
+        h = self._head_input(state)
         if h is None:
             return DraftTree.empty()
         s, pending = state.sampling, state.tokens[-1]

@@ -8,7 +8,44 @@ from ..tree import DraftTree, parents_from_paths, shape_of
 from .base import DecodeState, Drafter
 
 
-class HeadDrafter(Drafter):
+class PrefixInput:
+    """What head drafters share: the hidden state the heads read, which for Hydra++ heads is the output
+    of their prefix-attention layer, fed (with its own cache) the states the target commits each step."""
+
+    _prefix_cache, _prefix_len, _fed, _last = None, 0, None, None
+
+    def start(self, state: DecodeState, capacity: int) -> None:
+        if getattr(self.heads, "prefix", None) is not None:
+            from ..heads.prefix import new_prefix_cache
+
+            self._prefix_cache, self._prefix_len, self._fed = new_prefix_cache(), 0, None
+
+    def _head_input(self, state: DecodeState) -> torch.Tensor | None:
+        """The hidden state the heads read: the target's, or (Hydra++) the prefix layer's output,
+        after feeding the prefix layer the states the target committed since the last call."""
+        if getattr(self.heads, "prefix", None) is None or state.hidden is None:
+            return state.hidden
+        new = state.new_hidden
+        if new is not None and new is not self._fed:
+            if self._prefix_cache is None:
+                self.start(state, 0)
+            out = self.heads.prefix(new, self._prefix_len, self._prefix_cache)
+            self._prefix_len += new.shape[0]
+            self._fed, self._last = new, out[-1]
+        return self._last
+
+
+def full_vocab_logits(heads, logits: torch.Tensor) -> torch.Tensor:
+    """Logits over a draft vocabulary -> over the whole vocabulary (-inf elsewhere)."""
+    sub = getattr(heads, "subset", None)
+    if sub is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], heads.vocab), float("-inf"))
+    full[..., sub] = logits
+    return full
+
+
+class HeadDrafter(PrefixInput, Drafter):
     """Medusa / Hydra drafting: a static token tree filled from draft heads on the target's hidden state.
 
     The tree spec is a list of paths of sibling ranks (Medusa's "choices"). Depth d is filled by head
@@ -43,26 +80,6 @@ class HeadDrafter(Drafter):
             self.levels.append((par, kids))
         self.paths = [shape.path_to(i) for i in range(len(parents))]
         self._prefix_cache, self._prefix_len, self._fed = None, 0, None
-
-    def start(self, state: DecodeState, capacity: int) -> None:
-        if getattr(self.heads, "prefix", None) is not None:
-            from ..heads.prefix import new_prefix_cache
-
-            self._prefix_cache, self._prefix_len, self._fed = new_prefix_cache(), 0, None
-
-    def _head_input(self, state: DecodeState) -> torch.Tensor | None:
-        """The hidden state the heads read: the target's, or (Hydra++) the prefix layer's output,
-        after feeding the prefix layer the states the target committed since the last call."""
-        if getattr(self.heads, "prefix", None) is None or state.hidden is None:
-            return state.hidden
-        new = state.new_hidden
-        if new is not None and new is not self._fed:
-            if self._prefix_cache is None:
-                self.start(state, 0)
-            out = self.heads.prefix(new, self._prefix_len, self._prefix_cache)
-            self._prefix_len += new.shape[0]
-            self._fed, self._last = new, out[-1]
-        return self._last
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
