@@ -218,4 +218,3 @@ def test_dynamic_tree_with_prefix_layer_and_draft_vocab_is_exact(tok):
     drafter = DynamicHeadDrafter(heads, model.get_input_embeddings(), nodes=10, depth=3, topk=3)
     res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=20)
     assert res.token_ids == ref.token_ids
-    assert res.stats.target_forwards < 20 or res.stats.mean_accepted >= 1.0
