@@ -64,7 +64,7 @@ def build_drafter(args, target_tok, draft=None, model=None):
     method = args.method
     if method not in METHODS:
         raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")
-    if method in ("medusa", "hydra"):
+    if method in ("medusa", "hydra", "hydra++"):
         from .heads import load_heads
         from .tree import load_tree_spec
 
@@ -142,7 +142,7 @@ def cmd_generate(args) -> int:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method == "draft" and not args.draft_model:
         raise HydraspecError("method 'draft' needs --draft-model")
-    if args.method in ("medusa", "hydra") and not args.heads:
+    if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -291,7 +291,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer one prompt")
     add_model_args(g)
-    g.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra")
+    g.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")

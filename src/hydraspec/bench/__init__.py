@@ -30,8 +30,9 @@ def add_parser(subparsers):
                     "agreement with plain decoding. Resumable: rerun with the same --out to continue.")
     p.add_argument("--model", required=True, help="target model (offline name, HF directory, .gguf file or hub id)")
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (methods draft, hf-assisted)")
-    p.add_argument("--heads", metavar="DIR",
-                   help="trained Medusa/Hydra heads directory (methods medusa, hydra)")
+    p.add_argument("--heads", metavar="DIR", nargs="+",
+                   help="trained heads directories (methods medusa, hydra, hydra++); several may be given, each "
+                        "method takes the one of its kind (hydra++ = Hydra heads with a prefix layer)")
     p.add_argument("--tree", help="token tree for medusa/hydra/draft: tree.json (hydraspec build-tree), JSON list of "
                                   "rank paths, or 'dynamic' (default: the heads' own default tree; a chain for draft)")
     p.add_argument("--tree-nodes", type=int, default=32, help="dynamic tree: nodes kept per step (default 32)")

@@ -48,7 +48,7 @@ class BenchContext:
     tokenizer: object
     args: object
     draft: tuple | None = None
-    heads: str | None = None
+    heads: list[str] | str | None = None
     eos: list[int] = field(default_factory=list)
 
 
@@ -162,15 +162,41 @@ def _tree_options(a, max_depth: int | None = None) -> dict:
     return {"tree": load_tree_spec(spec, max_depth=max_depth)}
 
 
+def heads_variant(directory) -> str | None:
+    """'medusa', 'hydra' or 'hydra++' (Hydra heads with a prefix layer) for a heads directory."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if cfg.get("kind") == "hydra" and cfg.get("prefix_layer"):
+        return "hydra++"
+    return cfg.get("kind")
+
+
+def pick_heads(dirs, method: str) -> str:
+    dirs = [dirs] if isinstance(dirs, str) else list(dirs or [])
+    if len(dirs) == 1:
+        return dirs[0]
+    match = [d for d in dirs if heads_variant(d) == method]
+    if len(match) != 1:
+        found = ", ".join(f"{d} ({heads_variant(d)})" for d in dirs)
+        raise HydraspecError(f"method {method} needs exactly one --heads directory of its kind; given: {found}")
+    return match[0]
+
+
 def _heads(method: str):
     def factory(ctx: BenchContext) -> Runner:
         from ..drafters import make_drafter
         from ..heads import load_heads
 
-        heads, cfg = load_heads(ctx.heads, ctx.model, base_model=ctx.args.model)
+        heads, cfg = load_heads(pick_heads(ctx.heads, method), ctx.model, base_model=ctx.args.model)
         spec = getattr(ctx.args, "tree", None)
         opts = _tree_options(ctx.args, heads.num_heads) if spec else {"tree": cfg.get("default_tree")}
-        drafter = make_drafter(method, heads=heads, embed=ctx.model.get_input_embeddings(), **opts)
+        kind = "hydra" if method == "hydra++" else method
+        drafter = make_drafter(kind, heads=heads, embed=ctx.model.get_input_embeddings(), **opts)
         return EngineRunner(ctx, drafter)
 
     return factory
@@ -250,6 +276,8 @@ register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--
 register(MethodSpec("medusa", _heads("medusa"), "hydraspec with Medusa heads (--heads, --tree)",
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hydra", _heads("hydra"), "hydraspec with Hydra heads (--heads, --tree)",
+                    needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
+register(MethodSpec("hydra++", _heads("hydra++"), "hydraspec with Hydra++ heads: prefix layer, distilled (--heads)",
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hf-ar", _hf("ar"), "transformers generate(), plain decoding"))
 register(MethodSpec("hf-assisted", _hf("assisted"), "transformers assisted generation with --draft-model",

@@ -5,7 +5,7 @@ from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
 from .prompt_lookup import PromptLookupDrafter
 
-METHODS = ("ar", "draft", "pld", "medusa", "hydra")
+METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++")
 
 
 def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
@@ -39,11 +39,15 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         if tree is not None:
             options["tree"] = tree
         return DraftModelDrafter(draft_model, **options)
-    if method in ("medusa", "hydra"):
+    if method in ("medusa", "hydra", "hydra++"):
         heads, embed = options.get("heads"), options.get("embed")
         if heads is None or embed is None:
             raise HydraspecError(f"method '{method}' needs trained heads (--heads DIR)")
-        if heads.kind != method:
+        has_prefix = getattr(heads, "prefix", None) is not None
+        if method == "hydra++" and not (heads.kind == "hydra" and has_prefix):
+            raise HydraspecError(f"method 'hydra++' needs Hydra++ heads (train-heads --kind hydra++), not {heads.kind} heads"
+                                 f"{' without a prefix layer' if heads.kind == 'hydra' else ''}")
+        if heads.kind != method.rstrip("+"):
             raise HydraspecError(f"--heads holds {heads.kind} heads, not {method} heads")
         from ..heads.checkpoint import default_tree
         from .heads import HeadDrafter
