@@ -1,0 +1,301 @@
+"""Batched speculative decoding on tiny random models: every row of a batch must produce exactly what
+that prompt produces alone (and what transformers' greedy generate produces), whatever the other rows'
+lengths, drafts and stopping times; sampling stays lossless; oversized batches are refused up front."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+
+import pytest
+import torch
+
+import tiny
+from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
+from hydraspec.batch import BatchGenerator, cache_bytes, read_prompt_lines
+from hydraspec.heads import build_heads
+
+SEED = 1
+N_NEW = 16
+
+
+@functools.lru_cache(maxsize=None)
+def draft_model():
+    return tiny.noisy_copy(tiny.cached_model("llama", "sdpa", SEED), 0.1, seed=101)
+
+
+@functools.lru_cache(maxsize=None)
+def heads(kind):
+    torch.manual_seed(11)
+    h = build_heads(kind, tiny.cached_model("llama", "sdpa", SEED), num_heads=3)
+    with torch.no_grad():  # fresh Medusa blocks are the identity; perturb so that heads disagree
+        for p in h.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return h
+
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+DRAFTERS = {
+    "ar": lambda m: make_drafter("ar"),
+    "pld": lambda m: make_drafter("pld", num_tokens=5, min_ngram=1),
+    "draft-chain": lambda m: make_drafter("draft", draft_model(), k=3, dynamic=True, max_k=6, confidence=0.0),
+    "draft-tree": lambda m: make_drafter("draft", draft_model(), widths=[2, 2, 1]),
+    "medusa": lambda m: make_drafter("medusa", heads=heads("medusa"), embed=m.get_input_embeddings(), tree=TREE),
+    "hydra": lambda m: make_drafter("hydra", heads=heads("hydra"), embed=m.get_input_embeddings(), tree=TREE),
+}
+
+
+def ragged_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    long = torch.randint(0, tiny.VOCAB, (57,), generator=g).tolist()
+    mid = torch.randint(0, tiny.VOCAB, (9,), generator=g).tolist()
+    return [[17], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7], long, mid, [3, 4]]
+
+
+@contextlib.contextmanager
+def eos_set(model, tok, eos):
+    tiny.set_eos(model, eos, tok)
+    try:
+        yield
+    finally:
+        tiny.set_eos(model, None, tok)
+
+
+class BatchSizes:
+    """Records the batch dimension of every target forward."""
+
+    def __init__(self, model):
+        self.sizes = []
+        self.h = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.sizes.append(int(kwargs["input_ids"].shape[0]))
+
+    def close(self):
+        self.h.remove()
+
+
+def check_row_stats(r, cut_by_eos=False):
+    s = r.stats
+    assert sum(s.accept_hist) == s.target_forwards
+    assert s.new_tokens == len(r.token_ids)
+    counted = sum(i * c for i, c in enumerate(s.accept_hist))
+    assert counted >= s.new_tokens if cut_by_eos else counted == s.new_tokens
+
+
+@pytest.mark.parametrize("method", list(DRAFTERS))
+def test_greedy_rows_equal_batch_of_one(method, tok):
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()
+    gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model))
+    alone = [gen.generate(input_ids=p, max_new_tokens=N_NEW).token_ids for p in prompts]
+    for p, a in zip(prompts, alone):
+        assert a == tiny.hf_greedy(model, p, N_NEW)
+    spy = BatchSizes(model)
+    try:
+        res = gen.generate_batch(input_ids=prompts, max_new_tokens=N_NEW)
+    finally:
+        spy.close()
+    assert len(res) == len(prompts)
+    for i, (r, a) in enumerate(zip(res, alone)):
+        assert r.token_ids == a, f"{method}: row {i} (prompt of {len(prompts[i])} tokens) differs from batch 1"
+        assert r.prompt_ids == prompts[i] and r.finish_reason == "length"
+        check_row_stats(r)
+    # one prefill and then one forward per step for the whole batch
+    assert spy.sizes[0] == len(prompts) and spy.sizes[1] == len(prompts)
+    assert res.target_forwards == len(spy.sizes) - 1
+    assert res.target_forwards == max(r.stats.target_forwards for r in res)
+    if method == "ar":
+        assert res.target_forwards == N_NEW
+    elif method in ("draft-chain", "draft-tree"):
+        assert res.target_forwards < N_NEW  # drafts were accepted in the batch
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "draft-tree", "hydra"])
+def test_rows_finish_at_different_times(method, tok):
+    """Rows stop on EOS at different steps or on the budget; finished rows leave the batch."""
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()
+    free = SpeculativeGenerator(model, tok).generate_batch(input_ids=prompts, max_new_tokens=N_NEW)
+    eos = free[2].token_ids[4]  # row 2 meets this token early; others maybe later or never
+    with eos_set(model, tok, eos):
+        gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model))
+        alone = [gen.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
+        expect = [tiny.hf_greedy(model, p, N_NEW) for p in prompts]
+        expect = [e[: e.index(eos) + 1] if eos in e else e for e in expect]
+        spy = BatchSizes(model)
+        try:
+            res = gen.generate_batch(input_ids=prompts, max_new_tokens=N_NEW, batch_size=4)
+        finally:
+            spy.close()
+    reasons = [r.finish_reason for r in res]
+    assert "eos" in reasons and "length" in reasons, reasons
+    assert len({len(r.token_ids) for r in res}) > 1
+    for i, (r, a, e) in enumerate(zip(res, alone, expect)):
+        assert r.token_ids == a.token_ids == e, f"{method}: row {i}"
+        assert r.finish_reason == a.finish_reason
+        check_row_stats(r, cut_by_eos=True)
+    assert res.batches == 2
+    # the first batch (the 4 longest prompts) shrinks as rows finish
+    first = spy.sizes[: spy.sizes.index(1, 1) if 1 in spy.sizes[1:] else len(spy.sizes)]
+    assert first[0] == 4 and min(spy.sizes) < 4
+    assert all(x >= y for x, y in zip(spy.sizes[1:], spy.sizes[2:]) if x != 1 and y != 1 or x == y)
+
+
+def test_stop_strings_and_input_order(tok):
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()
+    gen = SpeculativeGenerator(model, tok, DRAFTERS["pld"](model))
+    free = [gen.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
+    stop = tok.decode(free[1].token_ids[3:5])
+    alone = [gen.generate(input_ids=p, max_new_tokens=N_NEW, stop=[stop]) for p in prompts]
+    res = gen.generate_batch(input_ids=prompts, max_new_tokens=N_NEW, stop=[stop], batch_size=2)
+    assert res[1].finish_reason == "stop"
+    for r, a in zip(res, alone):
+        assert (r.token_ids, r.text, r.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+
+
+def test_text_prompts_and_tree_per_batch_size(tok):
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    texts = ["w5 w6 w7", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "w40"]
+    d = DRAFTERS["hydra"](model)
+    small = [[0]]
+    ref_big = SpeculativeGenerator(model, tok, d)
+    ref_small = SpeculativeGenerator(model, tok, make_drafter("hydra", heads=heads("hydra"),
+                                                              embed=model.get_input_embeddings(), tree=small))
+    alone = [ref_big.generate(t, max_new_tokens=10).token_ids for t in texts]
+    assert alone == [ref_small.generate(t, max_new_tokens=10).token_ids for t in texts]
+    bg = BatchGenerator(model, tok, d, trees={1: TREE, 3: small})
+    res = bg.generate(texts, max_new_tokens=10)
+    assert [r.token_ids for r in res] == alone
+    # 3 active rows use the one-node tree: at most 2 tokens per forward while all three run
+    assert res.target_forwards >= 5
+    with pytest.raises(HydraspecError, match="head"):
+        BatchGenerator(model, tok, make_drafter("pld"), trees={2: small})
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+
+
+E2E_VOCAB = 24
+
+
+def test_lossless_sampling_in_a_batch_follows_the_target():
+    from scipy.stats import chisquare  # noqa: F401  (test_sampling.gof needs scipy)
+    from test_sampling import gof
+
+    from hydraspec.sampling import Sampling
+
+    tok = tiny.make_tokenizer(E2E_VOCAB)
+    model = tiny.cached_model("llama", "sdpa", 7, vocab=E2E_VOCAB, hidden=32, layers=1, init_range=0.2)
+    prompt = [3, 5, 7, 11]
+    other = [2, 9, 4, 1, 1, 6, 8, 13, 2, 2, 19, 5, 4]  # longer rows around it: padding and a ragged cache
+    drafter = make_drafter("draft", tiny.noisy_copy(model, 0.5, seed=8), widths=[2, 2])
+    gen = SpeculativeGenerator(model, tok, drafter)
+    S = Sampling(0.7, 5, 1.0)
+    p0 = S.probs(tiny.full_logits(model, prompt)[-1])
+    p1 = torch.stack([S.probs(tiny.full_logits(model, prompt + [y])[-1]) for y in range(E2E_VOCAB)])
+    joint = p0[:, None] * p1
+    counts = torch.zeros(E2E_VOCAB, E2E_VOCAB, dtype=torch.long)
+    rows = [other] + [prompt] * 40
+    forwards = 0
+    for call in range(12):
+        res = gen.generate_batch(input_ids=rows, max_new_tokens=2, temperature=0.7, top_k=5, seed=1000 * call)
+        for r in res[1:]:
+            assert len(r.token_ids) == 2
+            counts[r.token_ids[0], r.token_ids[1]] += 1
+            forwards += r.stats.target_forwards
+    n = int(counts.sum())
+    assert n < forwards < 2 * n - 0.05 * n, forwards  # drafts were accepted sometimes, not always
+    pv = gof(counts, joint)
+    assert pv > 1e-3, f"batched sampling does not follow the target (chi-square p = {pv:.2e})"
+    # the same check against another prompt's distribution fails: the test has power
+    q0 = S.probs(tiny.full_logits(model, other)[-1])
+    q1 = torch.stack([S.probs(tiny.full_logits(model, other + [y])[-1]) for y in range(E2E_VOCAB)])
+    assert gof(counts, q0[:, None] * q1) < 1e-3
+    # seeds: same seed, same rows; row i uses seed + i
+    a = gen.generate_batch(input_ids=rows[:3], max_new_tokens=4, temperature=0.7, seed=5)
+    b = gen.generate_batch(input_ids=rows[:3], max_new_tokens=4, temperature=0.7, seed=5)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_typical_acceptance_runs_batched(tok):
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    gen = SpeculativeGenerator(model, tok, DRAFTERS["medusa"](model), acceptor="typical")
+    res = gen.generate_batch(input_ids=ragged_prompts(), max_new_tokens=8, temperature=0.8, seed=0)
+    assert all(len(r.token_ids) == 8 for r in res)
+    for r in res:
+        check_row_stats(r)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+def test_memory_statement_and_refusal(tok):
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()
+    cfg = model.config
+    per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    gen = SpeculativeGenerator(model, tok)
+    res = gen.generate_batch(input_ids=prompts, max_new_tokens=8)
+    capacity = max(map(len, prompts)) + 8 + 0 + 1
+    assert res.cache_bytes == cache_bytes(model, len(prompts), capacity) == len(prompts) * capacity * per_slot
+    spy = BatchSizes(model)
+    try:
+        with pytest.raises(HydraspecError, match=r"a batch of 5 needs .* of KV cache"):
+            gen.generate_batch(input_ids=prompts, max_new_tokens=8, memory_limit=res.cache_bytes // 2)
+        # against the real free memory: 1024 rows x 2M positions x 384 bytes = 768 GiB
+        big = tiny.cached_model("llama", "sdpa", SEED, max_pos=1 << 22)
+        with pytest.raises(HydraspecError, match="batch-size"):
+            BatchGenerator(big, tok).generate(input_ids=[[1]] * 1024, max_new_tokens=1 << 21)
+    finally:
+        spy.close()
+    assert spy.sizes == []  # refused before any work
+    # smaller batches fit where the big one does not
+    ok = gen.generate_batch(input_ids=prompts, max_new_tokens=8, batch_size=2, memory_limit=res.cache_bytes // 2)
+    assert [r.token_ids for r in ok] == [r.token_ids for r in res]
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny.make_model("llama", seed=0)
+    tk = tiny.make_tokenizer()
+    target.save_pretrained(root / "target")
+    tk.save_pretrained(root / "target")
+    tiny.noisy_copy(target, 0.05).save_pretrained(root / "draft")
+    tk.save_pretrained(root / "draft")
+    return root
+
+
+def test_cli_prompt_file_batch_size(saved, tmp_path, capsys):
+    from hydraspec.cli import main
+
+    texts = ["w5 w6 w7", " ".join(f"w{i % 90 + 1}" for i in range(40)), "w9", "w1 w2 w3 w1 w2"]
+    f = tmp_path / "prompts.txt"
+    f.write_text(texts[0] + "\n" + json.dumps({"prompt": texts[1]}) + "\n\n" + texts[2] + "\n"
+                 + json.dumps(texts[3]) + "\n")
+    assert read_prompt_lines(str(f)) == texts
+    common = ["generate", "--model", str(saved / "target"), "--dtype", "float32", "--max-new-tokens", "12", "--json"]
+    single = []
+    for t in texts:
+        assert main(common + ["--prompt", t]) == 0
+        single.append(json.loads(capsys.readouterr().out)["token_ids"])
+    for method in (["--method", "pld"], ["--method", "draft", "--draft-model", str(saved / "draft")]):
+        assert main(common + ["--prompt-file", str(f), "--batch-size", "3", *method]) == 0
+        out = capsys.readouterr()
+        rows = [json.loads(line) for line in out.out.splitlines()]
+        assert [r["index"] for r in rows] == [0, 1, 2, 3]
+        assert [r["token_ids"] for r in rows] == single
+        assert all(r["new_tokens"] == 12 for r in rows)
+        assert "KV cache" in out.err and "tokens/s" in out.err
+    assert main(common + ["--prompt-file", str(f), "--batch-size", "0"]) == 2
+    assert "--batch-size must be at least 1" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert main(common + ["--prompt-file", str(empty), "--batch-size", "2"]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
