@@ -308,3 +308,53 @@ def test_cli_prompt_file_batch_size(saved, tmp_path, capsys):
     empty.write_text("\n  \n")
     assert main(common + ["--prompt-file", str(empty), "--batch-size", "2"]) == 2
     assert "holds no prompts" in capsys.readouterr().err
+
+
+# ---- bench -------------------------------------------------------------------------------------
+
+
+def test_bench_batch_sizes(tmp_path, tok):
+    import argparse
+
+    from hydraspec.bench import add_parser, run_bench
+    from hydraspec.heads import save_heads
+
+    model = tiny.make_model("llama", seed=3)
+    tiny.set_eos(model, 95)  # an EOS that random rows may or may not meet; hf-ar needs a pad id
+    models = {"tiny": (model, tok), "tiny-draft": (tiny.noisy_copy(model, 0.1), tok)}
+
+    def loader(name, dtype, device):
+        return models[name]
+
+    save_heads(build_heads("hydra", model, num_heads=2), tmp_path / "h", base_model="tiny", tree=[[0], [1], [0, 0]])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c",
+                                             "turns": [" ".join(f"w{(7 * i + j) % 90 + 1}" for j in range(2 + 5 * i))]})
+                                 for i in range(5)))
+    out = tmp_path / "bench"
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="cmd"))
+    args = p.parse_args(["bench", "--model", "tiny", "--methods", "ar,pld,draft,hydra,hf-ar", "--draft-model",
+                         "tiny-draft", "--heads", str(tmp_path / "h"), "--prompts", str(prompts),
+                         "--max-new-tokens", "10", "--dtype", "float32", "--device", "cpu", "--out", str(out),
+                         "--batch-sizes", "1,2,4"])
+    assert run_bench(args, loader=loader) == 0
+    data = json.loads((out / "batch_results.json").read_text())
+    rows = data["rows"]
+    assert [(r["method"], r["batch_size"]) for r in rows] == [(m, b) for m in ("ar", "pld", "draft", "hydra", "hf-ar")
+                                                              for b in (1, 2, 4)]
+    for r in rows:
+        assert r["prompts"] == 5 and r["new_tokens"] > 0 and r["tokens_per_s"] > 0 and r["mean_latency_s"] > 0
+        assert r["identical_to_ar"] == 1.0, r  # every method and batch size gives ar's batch-1 answers
+        if r["method"] != "hf-ar":
+            assert r["cache_bytes"] > 0 and r["mean_accepted"] >= 1.0
+    ar = {r["batch_size"]: r for r in rows if r["method"] == "ar"}
+    assert ar[1]["batched_forwards"] > ar[2]["batched_forwards"] > ar[4]["batched_forwards"]
+    assert (out / "batch_throughput.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| hf-ar | 4 |" in (out / "batch_results.md").read_text()
+    args.methods = "ar,hf-pld"
+    with pytest.raises(HydraspecError, match="--batch-sizes supports"):
+        run_bench(args, loader=loader)
+    args.methods, args.batch_sizes = "ar,hydra", "1,x"
+    with pytest.raises(HydraspecError, match="comma-separated integers"):
+        run_bench(args, loader=loader)
