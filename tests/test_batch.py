@@ -113,6 +113,18 @@ def test_greedy_rows_equal_batch_of_one(method, tok):
         assert res.target_forwards < N_NEW  # drafts were accepted in the batch
 
 
+@pytest.mark.parametrize("family,attn,seed", [("llama", "eager", 2), ("qwen2", "sdpa", 3), ("mistral", "sdpa", 4),
+                                              ("gemma", "sdpa", 5)])
+def test_other_families_and_one_token_prompts(family, attn, seed, tok):
+    model = tiny.cached_model(family, attn, seed)
+    draft = tiny.noisy_copy(model, 0.1, seed=seed + 100)
+    for prompts in (ragged_prompts(), [[5], [9], [33]]):  # the second batch has nothing to prefill
+        expect = [tiny.hf_greedy(model, p, 12) for p in prompts]
+        for d in (None, make_drafter("pld", num_tokens=4, min_ngram=1), make_drafter("draft", draft, widths=[2, 1])):
+            res = SpeculativeGenerator(model, tok, d).generate_batch(input_ids=prompts, max_new_tokens=12)
+            assert [r.token_ids for r in res] == expect, (family, d)
+
+
 @pytest.mark.parametrize("method", ["ar", "pld", "draft-tree", "hydra"])
 def test_rows_finish_at_different_times(method, tok):
     """Rows stop on EOS at different steps or on the budget; finished rows leave the batch."""
