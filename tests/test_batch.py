@@ -196,6 +196,36 @@ def test_text_prompts_and_tree_per_batch_size(tok):
         BatchGenerator(model, tok, make_drafter("pld"), trees={2: small})
 
 
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (1.0, 0), (1.0, 1)])
+def test_batched_head_proposals_equal_per_row_proposals(kind, temperature, top_k):
+    from hydraspec.batch import propose_heads_batched
+    from hydraspec.drafters.base import DecodeState
+    from hydraspec.sampling import Sampling
+
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    d = DRAFTERS[kind](model)
+    S = Sampling(temperature, top_k, 1.0)  # top-k 1 < 2 siblings: sampled trees get cut
+    g = torch.Generator().manual_seed(0)
+    hidden = [torch.randn(model.config.hidden_size, generator=g) * 3 for _ in range(4)] + [None]
+
+    def states():
+        return [DecodeState(tokens=[i + 1, i + 7], prompt_len=2, sampling=S, hidden=h,
+                            generator=torch.Generator().manual_seed(i)) for i, h in enumerate(hidden)]
+
+    one = [d.propose(st) for st in states()]
+    many = propose_heads_batched(d, states())
+    assert len(many) == len(one) and len(many[-1]) == 0
+    if top_k == 1:
+        assert all(len(t) < len(TREE) for t in many[:-1])
+    for a, b in zip(one, many):
+        assert a.parents == b.parents and a.tokens.tolist() == b.tokens.tolist()
+        assert (a.q is None) == (b.q is None)
+        if a.q is not None:
+            torch.testing.assert_close(a.q, b.q)
+    assert propose_heads_batched(make_drafter("pld"), states()) is None
+
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 

@@ -337,10 +337,15 @@ class BatchGenerator:
             # 1. drafts, one per row, trimmed to the row's token budget
             n_active = len(active)
             trees, shapes = [], []
-            for r in active:
+            t0 = time.perf_counter()
+            together = propose_heads_batched(self._drafter_for(active[0], n_active), [r.state for r in active])
+            if together is not None:  # head drafters: one heads call per depth for every row
+                dt = (time.perf_counter() - t0) / n_active
+                for r in active:
+                    r.stats.draft_s += dt
+            for j, r in enumerate(active):
                 t0 = time.perf_counter()
-                d = self._drafter_for(r, n_active)
-                tree = d.propose(r.state)
+                tree = together[j] if together is not None else self._drafter_for(r, n_active).propose(r.state)
                 remaining = max_new - len(r.new)
                 shape = shape_of(tree.with_root())
                 if int(shape.depth[-1]) > remaining - 1:
@@ -453,6 +458,63 @@ class BatchGenerator:
             text = _trim_after_stop(text, stops)
         return GenerationResult(text=text, token_ids=list(r.new), prompt_ids=list(r.ids), stats=r.stats,
                                 finish_reason=r.finish)
+
+
+def propose_heads_batched(drafter, states: list[DecodeState]):
+    """HeadDrafter.propose for many rows at once (same trees, same tokens, same random draws per row's
+    generator), calling each head once per depth for all rows instead of once per row: the heads' vocabulary
+    projection is read once per depth. None when `drafter` is not a head drafter (then call it per row)."""
+    from .drafters.heads import HeadDrafter, _prefix_closed, _reindex
+    from .sampling import sample_without_replacement
+    from .tree import DraftTree
+
+    if not isinstance(drafter, HeadDrafter) or not all(hasattr(drafter, a) for a in ("levels", "paths", "ranks")):
+        return None
+    out: list = [DraftTree.empty() for _ in states]
+    live = [j for j, s in enumerate(states) if s.hidden is not None]
+    if not live:
+        return out
+    heads, parents, n = drafter.heads, drafter.parents, len(drafter.parents)
+    H = torch.stack([states[j].hidden for j in live])  # [R, dim]
+    greedy = states[0].sampling.greedy
+    tokens = [[0] * n for _ in live]
+    qrows = [[None] * n for _ in live]
+    for d, (par, kids) in enumerate(drafter.levels):
+        P = len(par)
+        if heads.kind == "medusa":
+            lg = heads.logits(d, H).float()[:, None, :].expand(-1, P, -1)  # [R, P, V]
+        else:
+            path_ids = [[states[j].tokens[-1]] + [tokens[r][k] for k in (drafter.paths[p] if p >= 0 else [])]
+                        for r, j in enumerate(live) for p in par]
+            emb = drafter.embed(torch.tensor(path_ids, device=H.device))  # [R * P, d + 1, dim]
+            lg = heads.logits(d, H.repeat_interleave(P, 0), emb).float().view(len(live), P, -1)
+        if greedy:
+            need = max(drafter.ranks[c] for p in par for c in kids[p]) + 1
+            top = torch.topk(lg, need, dim=-1).indices.tolist()  # [R][P][need]
+        for r, j in enumerate(live):
+            for i, p in enumerate(par):
+                children = kids[p]
+                if greedy:
+                    for c in children:
+                        tokens[r][c] = top[r][i][drafter.ranks[c]]
+                else:
+                    probs = states[j].sampling.probs(lg[r, i])
+                    draws = sample_without_replacement(probs, len(children), states[j].generator).tolist()
+                    for c, x in zip(children, draws):
+                        tokens[r][c] = x
+                        qrows[r][c] = probs
+    for r, j in enumerate(live):
+        if greedy:
+            out[j] = DraftTree(torch.tensor(tokens[r]), parents)
+            continue
+        drawn = [i for i in range(n) if qrows[r][i] is not None]
+        if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
+            keep = _prefix_closed(parents, set(drawn))
+            out[j] = DraftTree(torch.tensor([tokens[r][i] for i in keep]), _reindex(parents, keep),
+                               torch.stack([qrows[r][i] for i in keep]) if keep else None)
+        else:
+            out[j] = DraftTree(torch.tensor(tokens[r]), parents, torch.stack(qrows[r]))
+    return out
 
 
 def _additive(allowed: torch.Tensor, dtype, device) -> torch.Tensor:
