@@ -346,6 +346,21 @@ def test_cli_prompt_file_batch_size(saved, tmp_path, capsys):
         assert "KV cache" in out.err and "tokens/s" in out.err
     assert main(common + ["--prompt-file", str(f), "--batch-size", "0"]) == 2
     assert "--batch-size must be at least 1" in capsys.readouterr().err
+    # head drafting with a tree per batch size through the CLI
+    from hydraspec.heads import save_heads
+    from hydraspec.models import load_model
+
+    m, _ = load_model(str(saved / "target"), dtype="float32", device="cpu")
+    save_heads(build_heads("hydra", m, num_heads=2), tmp_path / "heads", base_model=str(saved / "target"),
+               tree=[[0], [0, 0], [1]])
+    trees = tmp_path / "trees.json"
+    trees.write_text(json.dumps({"1": [[0], [1], [0, 0], [1, 0]], "2": [[0]]}))
+    assert main(common + ["--prompt-file", str(f), "--batch-size", "2", "--method", "hydra", "--heads",
+                          str(tmp_path / "heads"), "--batch-trees", str(trees)]) == 0
+    assert [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()] == single
+    assert main(common + ["--prompt-file", str(f), "--batch-size", "2", "--method", "hydra", "--heads",
+                          str(tmp_path / "heads"), "--batch-trees", '{"x": [[0]]}']) == 2
+    assert "keys must be batch sizes" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     assert main(common + ["--prompt-file", str(empty), "--batch-size", "2"]) == 2
@@ -379,7 +394,7 @@ def test_bench_batch_sizes(tmp_path, tok):
     args = p.parse_args(["bench", "--model", "tiny", "--methods", "ar,pld,draft,hydra,hf-ar", "--draft-model",
                          "tiny-draft", "--heads", str(tmp_path / "h"), "--prompts", str(prompts),
                          "--max-new-tokens", "10", "--dtype", "float32", "--device", "cpu", "--out", str(out),
-                         "--batch-sizes", "1,2,4"])
+                         "--batch-sizes", "1,2,4", "--batch-trees", '{"1": [[0], [1], [0, 0]], "3": [[0]]}'])
     assert run_bench(args, loader=loader) == 0
     data = json.loads((out / "batch_results.json").read_text())
     rows = data["rows"]

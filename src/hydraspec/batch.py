@@ -598,7 +598,10 @@ def load_batch_trees(text: str | None) -> dict[int, list[list[int]]] | None:
         raise HydraspecError(f"--batch-trees {text!r} is neither a JSON file nor JSON: {e}") from None
     if not isinstance(data, dict) or not data:
         raise HydraspecError("--batch-trees takes a JSON object {batch_size: [[0], [0, 0], ...], ...}")
-    return {int(k): v for k, v in data.items()}
+    try:
+        return {int(k): v for k, v in data.items()}
+    except ValueError:
+        raise HydraspecError(f"--batch-trees keys must be batch sizes (integers), got {list(data)}") from None
 
 
 def cmd_generate_batch(args) -> int:

@@ -59,6 +59,8 @@ def add_parser(subparsers):
                    help="batched mode: throughput and per-sequence latency of methods ar, pld, draft, medusa, hydra "
                         "and hf-ar (left-padded generate) at each batch size, first turns only; writes "
                         "batch_results.json/.md and batch_throughput.png")
+    p.add_argument("--batch-trees", help="with --batch-sizes, for medusa/hydra: JSON file or object "
+                                         "{batch_size: tree paths} (the tree of the largest size <= active rows)")
     p.set_defaults(func=_cmd)
     return p
 

@@ -80,6 +80,8 @@ def run_batch_bench(args, loader=None) -> int:
         raise HydraspecError(f"--batch-sizes supports methods {', '.join(BATCH_METHODS)}; not {', '.join(bad)}")
     check_args(args, methods)
     sizes = parse_batch_sizes(args.batch_sizes)
+    if getattr(args, "batch_trees", None) and not any(METHODS[m].needs_heads for m in methods):
+        raise HydraspecError("--batch-trees is only used by the medusa/hydra methods")
     questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -91,7 +93,7 @@ def run_batch_bench(args, loader=None) -> int:
     model, tok = load(args.model, dtype=args.dtype, device=args.device)
     draft = load(args.draft_model, dtype=args.dtype, device=args.device) if any(
         METHODS[m].needs_draft for m in methods) else None
-    from ..batch import BatchGenerator
+    from ..batch import BatchGenerator, load_batch_trees
     from ..generator import SpeculativeGenerator, eos_ids
 
     eos = sorted(eos_ids(model, tok))
@@ -110,7 +112,8 @@ def run_batch_bench(args, loader=None) -> int:
         gen = None
         if m != "hf-ar":
             drafter = METHODS[m].factory(ctx).gen.drafter  # the bench's own drafter settings for this method
-            gen = BatchGenerator(model, tok, drafter)
+            trees = load_batch_trees(getattr(args, "batch_trees", None)) if METHODS[m].needs_heads else None
+            gen = BatchGenerator(model, tok, drafter, trees=trees)
             gen.generate(input_ids=prompts[:2], max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens))
         else:
             hf_batch(model, eos, pad, prompts[:2], min(WARMUP_TOKENS, args.max_new_tokens), 0.0, None)
