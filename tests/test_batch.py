@@ -40,6 +40,7 @@ DRAFTERS = {
     "ar": lambda m: make_drafter("ar"),
     "pld": lambda m: make_drafter("pld", num_tokens=5, min_ngram=1),
     "draft-chain": lambda m: make_drafter("draft", draft_model(), k=3, dynamic=True, max_k=6, confidence=0.0),
+    "draft-confident": lambda m: make_drafter("draft", draft_model(), k=4, confidence=0.05),
     "draft-tree": lambda m: make_drafter("draft", draft_model(), widths=[2, 2, 1]),
     "medusa": lambda m: make_drafter("medusa", heads=heads("medusa"), embed=m.get_input_embeddings(), tree=TREE),
     "hydra": lambda m: make_drafter("hydra", heads=heads("hydra"), embed=m.get_input_embeddings(), tree=TREE),
@@ -90,7 +91,8 @@ def test_greedy_rows_equal_batch_of_one(method, tok):
     model = tiny.cached_model("llama", "sdpa", SEED)
     prompts = ragged_prompts()
     gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model))
-    alone = [gen.generate(input_ids=p, max_new_tokens=N_NEW).token_ids for p in prompts]
+    alone_res = [gen.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
+    alone = [a.token_ids for a in alone_res]
     for p, a in zip(prompts, alone):
         assert a == tiny.hf_greedy(model, p, N_NEW)
     spy = BatchSizes(model)
@@ -103,13 +105,15 @@ def test_greedy_rows_equal_batch_of_one(method, tok):
         assert r.token_ids == a, f"{method}: row {i} (prompt of {len(prompts[i])} tokens) differs from batch 1"
         assert r.prompt_ids == prompts[i] and r.finish_reason == "length"
         check_row_stats(r)
+        # the same drafts as alone (drafter state kept per row), so the same acceptance, step by step
+        assert r.stats.accept_hist == alone_res[i].stats.accept_hist, (method, i)
     # one prefill and then one forward per step for the whole batch
     assert spy.sizes[0] == len(prompts) and spy.sizes[1] == len(prompts)
     assert res.target_forwards == len(spy.sizes) - 1
     assert res.target_forwards == max(r.stats.target_forwards for r in res)
     if method == "ar":
         assert res.target_forwards == N_NEW
-    elif method in ("draft-chain", "draft-tree"):
+    elif method.startswith("draft"):
         assert res.target_forwards < N_NEW  # drafts were accepted in the batch
 
 
@@ -232,7 +236,8 @@ def test_batched_head_proposals_equal_per_row_proposals(kind, temperature, top_k
 E2E_VOCAB = 24
 
 
-def test_lossless_sampling_in_a_batch_follows_the_target():
+@pytest.mark.parametrize("widths", [[2, 2], None], ids=["draft-tree", "draft-chain"])
+def test_lossless_sampling_in_a_batch_follows_the_target(widths):
     from scipy.stats import chisquare  # noqa: F401  (test_sampling.gof needs scipy)
     from test_sampling import gof
 
@@ -242,7 +247,7 @@ def test_lossless_sampling_in_a_batch_follows_the_target():
     model = tiny.cached_model("llama", "sdpa", 7, vocab=E2E_VOCAB, hidden=32, layers=1, init_range=0.2)
     prompt = [3, 5, 7, 11]
     other = [2, 9, 4, 1, 1, 6, 8, 13, 2, 2, 19, 5, 4]  # longer rows around it: padding and a ragged cache
-    drafter = make_drafter("draft", tiny.noisy_copy(model, 0.5, seed=8), widths=[2, 2])
+    drafter = make_drafter("draft", tiny.noisy_copy(model, 0.5, seed=8), widths=widths, k=2, dynamic=False)
     gen = SpeculativeGenerator(model, tok, drafter)
     S = Sampling(0.7, 5, 1.0)
     p0 = S.probs(tiny.full_logits(model, prompt)[-1])

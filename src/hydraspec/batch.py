@@ -146,6 +146,12 @@ class _Row:
     finish: str = "length"
     length: int = 0  # this row's cache length L_b
     done: bool = False
+    # batched draft-model chain drafting (_BatchDraft): the row's draft-cache length, tokens of
+    # state.tokens in the draft cache, draft tokens fed during the last proposal, current draft length
+    d_len: int = 0
+    d_cached: int = 0
+    d_fed: int = 0
+    d_k: int = 0
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -208,8 +214,8 @@ class BatchGenerator:
         capacity = max(lengths) + max_new_tokens + self.max_nodes + 1
         total = cache_bytes(self.model, len(lengths), capacity)
         dm = getattr(self.drafter, "model", None)
-        if dm is not None:  # the draft model keeps one cache per row
-            total += sum(cache_bytes(dm, 1, n + max_new_tokens + 2 * (self.max_nodes + 1)) for n in lengths)
+        if dm is not None:  # the draft model's cache: B rows of the same capacity (or one cache per row)
+            total += cache_bytes(dm, len(lengths), capacity + self.max_nodes + 1)
         return total
 
     def check_memory(self, need: int, rows: int, memory_limit: int | None = None) -> None:
@@ -324,9 +330,11 @@ class BatchGenerator:
                     if lens[b] > 0:
                         r.state.hidden = h[b, lens[b] - 1]
             del out
+        bd = _BatchDraft.make(self.drafter, rows, capacity + self.max_nodes + 1)
         for b, r in enumerate(rows):
             r.length = lens[b]
-            r.drafter.start(r.state, len(r.ids) + max_new + self.max_nodes + 1)
+            if bd is None:
+                r.drafter.start(r.state, len(r.ids) + max_new + self.max_nodes + 1)
         prefill_s = time.perf_counter() - t_start
         for r in rows:
             r.stats.prefill_s = prefill_s
@@ -338,8 +346,11 @@ class BatchGenerator:
             n_active = len(active)
             trees, shapes = [], []
             t0 = time.perf_counter()
-            together = propose_heads_batched(self._drafter_for(active[0], n_active), [r.state for r in active])
-            if together is not None:  # head drafters: one heads call per depth for every row
+            if bd is not None:  # draft-model chains: one draft forward per depth for every row
+                together = bd.propose(active)
+            else:  # head drafters: one heads call per depth for every row (None: other drafters)
+                together = propose_heads_batched(self._drafter_for(active[0], n_active), [r.state for r in active])
+            if together is not None:
                 dt = (time.perf_counter() - t0) / n_active
                 for r in active:
                     r.stats.draft_s += dt
@@ -412,7 +423,10 @@ class BatchGenerator:
                     r.stats.wall_s = tb - t_start
                     finished.append(b)
                 else:
-                    self._drafter_for(r, n_active).observe(r.state, [i - 1 for i in acc.path[1:]])
+                    if bd is not None:
+                        bd.observe(r, len(acc.path) - 1)
+                    else:
+                        self._drafter_for(r, n_active).observe(r.state, [i - 1 for i in acc.path[1:]])
                     r.stats.draft_s += time.perf_counter() - tb
             _compact(cache, src.to(dev), dst.to(dev))
 
@@ -425,6 +439,8 @@ class BatchGenerator:
                 active = [active[b] for b in keep]
                 if active:
                     _select_rows(cache, torch.tensor(keep, device=dev))
+                    if bd is not None:
+                        _select_rows(bd.cache, torch.tensor(keep, device=bd.model.device))
         del cache
         return forwards
 
@@ -458,6 +474,111 @@ class BatchGenerator:
             text = _trim_after_stop(text, stops)
         return GenerationResult(text=text, token_ids=list(r.new), prompt_ids=list(r.ids), stats=r.stats,
                                 finish_reason=r.finish)
+
+
+class _BatchDraft:
+    """A DraftModelDrafter in chain mode for all rows at once: one draft cache of B rows laid out like the
+    target's (row b at slots [0, d_len_b), a masked gap, new tokens written at the shared pointer and
+    moved next to the row's prefix), one draft forward per depth for every row still drafting. Each row
+    keeps the single-sequence drafter's rules: its own dynamic length (+2 after a fully accepted draft,
+    -1 otherwise), the greedy confidence stop, draws from its own generator, and after verification the
+    draft cache keeps only the accepted drafts."""
+
+    def __init__(self, proto, rows: list[_Row], capacity: int):
+        self.p, self.model = proto, proto.model
+        self.cache = new_cache(self.model, capacity)
+        for r in rows:
+            r.d_len = r.d_cached = r.d_fed = 0
+            r.d_k = proto.k0
+
+    @staticmethod
+    def make(drafter, rows, capacity):
+        from .drafters.draft_model import DraftModelDrafter
+
+        if type(drafter) is not DraftModelDrafter or drafter.widths:
+            return None
+        return _BatchDraft(drafter, rows, capacity)
+
+    def _forward(self, active: list[_Row], feeds: list[list[int]]) -> torch.Tensor:
+        """Append feeds[b] to row b's draft cache; logits [B, vocab] at each row's last fed token."""
+        dev = self.model.device
+        B, C = len(active), max(1, max(len(f) for f in feeds))
+        W = max(r.d_len for r in active)
+        ids = torch.zeros(B, C, dtype=torch.long)
+        pos = torch.empty(B, C, dtype=torch.long)
+        allowed = torch.zeros(B, C, W + C, dtype=torch.bool)
+        allowed[:, :, W:] = torch.eye(C, dtype=torch.bool)
+        src = torch.full((B, C), W + C - 1, dtype=torch.long)
+        dst = torch.full((B, C), W + C - 1, dtype=torch.long)
+        for b, (r, f) in enumerate(zip(active, feeds)):
+            c = len(f)
+            pos[b] = r.d_len + torch.arange(C).clamp(max=max(c - 1, 0))
+            if c:
+                ids[b, :c] = torch.tensor(f)
+                allowed[b, :c, W:W + c] = torch.ones(c, c, dtype=torch.bool).tril()
+                src[b, :c] = W + torch.arange(c)
+                dst[b, :c] = r.d_len + torch.arange(c)
+            allowed[b, :, :r.d_len] = True
+        for layer in self.cache.layers:
+            layer.length = W
+        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev),
+                         attention_mask=_additive(allowed, self.model.dtype, dev), past_key_values=self.cache,
+                         use_cache=True)
+        last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
+        logits = out.logits[torch.arange(B, device=last.device), last].float()
+        _compact(self.cache, src.to(dev), dst.to(dev))
+        for r, f in zip(active, feeds):
+            r.d_len += len(f)
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, active: list[_Row]):
+        from .sampling import sample_without_replacement
+        from .tree import DraftTree, chain
+
+        p = self.p
+        feeds = [r.state.tokens[r.d_cached:] for r in active]
+        logits = self._forward(active, feeds)
+        for r in active:
+            r.d_cached, r.d_fed = len(r.state.tokens), 0
+        toks: list[list[int]] = [[] for _ in active]
+        qs: list[list[torch.Tensor]] = [[] for _ in active]
+        drafting = [True] * len(active)
+        for depth in range(max(r.d_k for r in active)):
+            for b, r in enumerate(active):
+                if not drafting[b] or depth >= r.d_k:
+                    drafting[b] = False
+                    continue
+                lg = logits[b]
+                sampling = r.state.sampling
+                if sampling.greedy:
+                    top = torch.topk(lg, 1)
+                    if p.confidence > 0 and toks[b] and \
+                            top.values[0].item() - torch.logsumexp(lg, -1).item() < p.log_confidence:
+                        drafting[b] = False
+                        continue
+                    toks[b].append(int(top.indices[0]))
+                else:
+                    probs = sampling.probs(lg)
+                    toks[b].append(int(sample_without_replacement(probs, 1, r.state.generator)[0]))
+                    qs[b].append(probs)
+                if depth >= r.d_k - 1:  # the last draft of a chain is not fed
+                    drafting[b] = False
+            if not any(drafting):
+                break
+            feeds = [[toks[b][-1]] if drafting[b] else [] for b in range(len(active))]
+            logits = self._forward(active, feeds)
+            for r, f in zip(active, feeds):
+                r.d_fed += len(f)
+        return [DraftTree(torch.tensor(t, dtype=torch.long), chain(len(t)), torch.stack(q) if q else None)
+                for t, q in zip(toks, qs)]
+
+    def observe(self, r: _Row, n_accepted: int) -> None:
+        kept = min(n_accepted, r.d_fed)  # accepted drafts already in the draft cache stay, the rest go
+        r.d_cached += kept
+        r.d_len = r.d_cached
+        if self.p.dynamic:
+            r.d_k = min(r.d_k + 2, self.p.max_k) if n_accepted >= r.d_k else max(1, r.d_k - 1)
 
 
 def propose_heads_batched(drafter, states: list[DecodeState]):
