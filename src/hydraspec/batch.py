@@ -11,8 +11,10 @@ per layer for the whole batch) and L_b grows by the path length. Rows that finis
 stop string) are removed from the cache and from later forwards.
 
 Drafters are per-sequence objects, so every row gets its own shallow copy of the drafter (models and
-heads are shared, per-sequence state is not). A Medusa/Hydra drafter can use a different static tree
-per number of active rows (`trees={batch_size: paths}`).
+heads are shared, per-sequence state is not). Two drafters are batched across rows: draft-model chains
+(_BatchDraft: one B-row draft cache in the same layout, one draft forward per depth) and Medusa/Hydra
+heads (propose_heads_batched: one heads call per depth). A Medusa/Hydra drafter can use a different
+static tree per number of active rows (`trees={batch_size: paths}`).
 """
 from __future__ import annotations
 
