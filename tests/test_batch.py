@@ -349,6 +349,8 @@ def test_cli_prompt_file_batch_size(saved, tmp_path, capsys):
         assert [r["token_ids"] for r in rows] == single
         assert all(r["new_tokens"] == 12 for r in rows)
         assert "KV cache" in out.err and "tokens/s" in out.err
+    assert main(common + ["--prompt", texts[0], "--batch-size", "2", "--method", "pld"]) == 0  # one prompt
+    assert json.loads(capsys.readouterr().out)["token_ids"] == single[0]
     assert main(common + ["--prompt-file", str(f), "--batch-size", "0"]) == 2
     assert "--batch-size must be at least 1" in capsys.readouterr().err
     # head drafting with a tree per batch size through the CLI

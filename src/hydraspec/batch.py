@@ -220,17 +220,24 @@ class BatchGenerator:
             total += cache_bytes(dm, len(lengths), capacity + self.max_nodes + 1)
         return total
 
-    def check_memory(self, need: int, rows: int, memory_limit: int | None = None) -> None:
+    def logits_bytes(self, rows: int) -> int:
+        """The verify forward's logits: rows x (largest tree + 1) x vocab, in the model dtype and as float32."""
+        vocab = _text_config(self.model).vocab_size
+        size = torch.empty((), dtype=self.model.dtype).element_size() + 4
+        return rows * (self.max_nodes + 1) * vocab * size
+
+    def check_memory(self, need: int, rows: int, memory_limit: int | None = None, logits: int = 0) -> None:
+        """Refuse (HydraspecError) a batch whose KV cache + verify logits exceed 90% of the free memory."""
         free = memory_limit if memory_limit is not None else available_memory(self.model.device)
         if free is None:
             log.warning("cannot tell how much memory is free; not checking the %s KV cache", _gib(need))
             return
-        if need > MEMORY_HEADROOM * free:
+        if need + logits > MEMORY_HEADROOM * free:
             raise HydraspecError(
                 f"a batch of {rows} needs {_gib(need)} of KV cache ({rows} rows x capacity x "
-                f"{_text_config(self.model).num_hidden_layers} layers x K/V x kv heads x head dim x dtype), "
-                f"more than {int(MEMORY_HEADROOM * 100)}% of the {_gib(free)} free on {self.model.device}; "
-                "use a smaller --batch-size or --max-new-tokens")
+                f"{_text_config(self.model).num_hidden_layers} layers x K/V x kv heads x head dim x dtype) and "
+                f"{_gib(logits)} of verify logits, more than {int(MEMORY_HEADROOM * 100)}% of the {_gib(free)} "
+                f"free on {self.model.device}; use a smaller --batch-size or --max-new-tokens")
 
     # -- decoding -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -266,7 +273,7 @@ class BatchGenerator:
         groups = [order[i:i + bs] for i in range(0, len(order), bs)]
         needs = [self.estimate_bytes([len(all_ids[i]) for i in g], max_new_tokens) for g in groups]
         biggest = max(range(len(groups)), key=lambda j: needs[j])
-        self.check_memory(needs[biggest], len(groups[biggest]), memory_limit)
+        self.check_memory(needs[biggest], len(groups[biggest]), memory_limit, self.logits_bytes(len(groups[0])))
         log.info("batched decoding: %d prompts in %d batches of up to %d rows; KV cache up to %s",
                  len(all_ids), len(groups), bs, _gib(needs[biggest]))
 
