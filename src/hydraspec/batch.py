@@ -382,8 +382,7 @@ class BatchGenerator:
             W = max(r.length for r in active)
             ids = torch.zeros(B, N, dtype=torch.long)
             pos = torch.empty(B, N, dtype=torch.long)
-            allowed = torch.zeros(B, N, W + N, dtype=torch.bool)
-            allowed[:, :, W:] = torch.eye(N, dtype=torch.bool)  # dummy nodes see only themselves
+            tree_allowed = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)  # dummy nodes see only themselves
             node_lists = []
             for b, (r, tree, shape) in enumerate(zip(active, trees, shapes)):
                 n = shape.size
@@ -392,13 +391,12 @@ class BatchGenerator:
                 ids[b, :n] = torch.tensor(nodes)
                 pos[b, :n] = r.length + shape.depth
                 pos[b, n:] = r.length
-                allowed[b, :, :r.length] = True
-                allowed[b, :n, W:W + n] = shape.ancestors
+                tree_allowed[b, :n, :n] = shape.ancestors
             for layer in cache.layers:
                 layer.length = W
-            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev),
-                        attention_mask=_additive(allowed, model.dtype, dev), past_key_values=cache, use_cache=True,
-                        output_hidden_states=need_hidden)
+            mask = _ragged_mask([r.length for r in active], W, tree_allowed, model.dtype, dev)
+            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+                        past_key_values=cache, use_cache=True, output_hidden_states=need_hidden)
             logits = out.logits.float()
             hid = out.hidden_states[-1] if need_hidden else None
             del out
@@ -515,8 +513,7 @@ class _BatchDraft:
         W = max(r.d_len for r in active)
         ids = torch.zeros(B, C, dtype=torch.long)
         pos = torch.empty(B, C, dtype=torch.long)
-        allowed = torch.zeros(B, C, W + C, dtype=torch.bool)
-        allowed[:, :, W:] = torch.eye(C, dtype=torch.bool)
+        tree_allowed = torch.eye(C, dtype=torch.bool).repeat(B, 1, 1)
         src = torch.full((B, C), W + C - 1, dtype=torch.long)
         dst = torch.full((B, C), W + C - 1, dtype=torch.long)
         for b, (r, f) in enumerate(zip(active, feeds)):
@@ -524,15 +521,14 @@ class _BatchDraft:
             pos[b] = r.d_len + torch.arange(C).clamp(max=max(c - 1, 0))
             if c:
                 ids[b, :c] = torch.tensor(f)
-                allowed[b, :c, W:W + c] = torch.ones(c, c, dtype=torch.bool).tril()
+                tree_allowed[b, :c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
                 src[b, :c] = W + torch.arange(c)
                 dst[b, :c] = r.d_len + torch.arange(c)
-            allowed[b, :, :r.d_len] = True
         for layer in self.cache.layers:
             layer.length = W
-        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev),
-                         attention_mask=_additive(allowed, self.model.dtype, dev), past_key_values=self.cache,
-                         use_cache=True)
+        mask = _ragged_mask([r.d_len for r in active], W, tree_allowed, self.model.dtype, dev)
+        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True)
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
         logits = out.logits[torch.arange(B, device=last.device), last].float()
         _compact(self.cache, src.to(dev), dst.to(dev))
@@ -652,6 +648,18 @@ def _additive(allowed: torch.Tensor, dtype, device) -> torch.Tensor:
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None].to(device)
+
+
+def _ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, device) -> torch.Tensor:
+    """[B, 1, N, W + N] additive mask, built on the device: row b's N new nodes (written at slots
+    [W, W + N)) see its cache [0, lengths[b]) and, among the new slots, what tree_allowed[b] ([N, N] bool)
+    allows; the gap [lengths[b], W) is hidden."""
+    B, N, _ = tree_allowed.shape
+    prefix = torch.arange(W, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, W]
+    allowed = torch.cat([prefix[:, None, :].expand(B, N, W), tree_allowed.to(device)], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
 
 
 def _compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
