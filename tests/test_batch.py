@@ -198,6 +198,15 @@ def test_text_prompts_and_tree_per_batch_size(tok):
     assert spy.shapes[n_first][0] == 2 and spy.shapes[n_first + 1] == (2, len(TREE) + 1), spy.shapes
     with pytest.raises(HydraspecError, match="head"):
         BatchGenerator(model, tok, make_drafter("pld"), trees={2: small})
+    # token ids, text and message lists mix in one call; bad calls are refused with a clear error
+    ids = tok(texts[0])["input_ids"]
+    mixed = ref_big.generate_batch([ids, texts[1], [{"role": "user", "content": texts[2]}]], max_new_tokens=10)
+    assert [r.token_ids for r in mixed] == alone
+    for bad, match in (("w1 w2", "list of prompts"), ([], "no prompts"), (["w1", "  "], "empty")):
+        with pytest.raises(HydraspecError, match=match):
+            ref_big.generate_batch(bad, max_new_tokens=4)
+    with pytest.raises(HydraspecError, match="context"):
+        ref_big.generate_batch(texts, max_new_tokens=10_000)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])

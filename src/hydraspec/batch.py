@@ -257,7 +257,7 @@ class BatchGenerator:
         else:
             if prompts is None or isinstance(prompts, str):
                 raise HydraspecError("generate_batch takes a list of prompts")
-            all_ids = [self.base.encode(p, chat=chat) for p in prompts]
+            all_ids = [[int(t) for t in p] if _is_ids(p) else self.base.encode(p, chat=chat) for p in prompts]
         if not all_ids:
             raise HydraspecError("no prompts given")
         for i, ids in enumerate(all_ids):
@@ -648,6 +648,13 @@ def _additive(allowed: torch.Tensor, dtype, device) -> torch.Tensor:
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None].to(device)
+
+
+def _is_ids(p) -> bool:
+    """A prompt given as token ids (a non-empty list/tuple of ints or a 1D tensor) rather than text/messages."""
+    if isinstance(p, torch.Tensor):
+        return p.dim() == 1
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(t, int) for t in p)
 
 
 def _ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, device) -> torch.Tensor:
