@@ -683,12 +683,18 @@ def _compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def _select_rows(cache, keep: torch.Tensor) -> None:
-    """Drop the cache rows of finished sequences (their memory is released)."""
+    """Drop the cache rows of finished sequences: the kept rows move to the front of the same buffers
+    (allocated once, never grown) and the layers see only those rows from now on."""
+    n = keep.numel()
+    moved = not torch.equal(keep.cpu(), torch.arange(n))
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):
             continue
-        layer.k_buf = layer.k_buf.index_select(0, keep)
-        layer.v_buf = layer.v_buf.index_select(0, keep)
+        for name in ("k_buf", "v_buf"):
+            buf = getattr(layer, name)
+            if moved:
+                buf[:n] = buf[keep]
+            setattr(layer, name, buf[:n])
         layer.keys = layer.k_buf[:, :, : layer.length]
         layer.values = layer.v_buf[:, :, : layer.length]
 
