@@ -238,7 +238,6 @@ class SpeculativeGenerator:
             text = _trim_after_stop(text, stop_strings)
         return GenerationResult(text=text, token_ids=new, prompt_ids=ids, stats=stats, finish_reason=finish)
 
-
     def generate_batch(self, prompts=None, *, trees: dict | None = None, **kwargs):
         """Decode a list of prompts together (one verify forward per step for the whole batch); see
         hydraspec.batch.BatchGenerator.generate for the arguments. Returns a BatchResult (results in
