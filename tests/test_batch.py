@@ -67,12 +67,14 @@ class BatchSizes:
     """Records the batch dimension of every target forward."""
 
     def __init__(self, model):
-        self.sizes, self.shapes = [], []
+        self.sizes, self.shapes, self.verify = [], [], []
         self.h = model.register_forward_pre_hook(self, with_kwargs=True)
 
     def __call__(self, module, args, kwargs):
         self.sizes.append(int(kwargs["input_ids"].shape[0]))
         self.shapes.append(tuple(kwargs["input_ids"].shape))
+        if kwargs.get("logits_to_keep") != 1:  # the batch engine prefills with logits_to_keep=1
+            self.verify.append(int(kwargs["input_ids"].shape[0]))
 
     def close(self):
         self.h.remove()
@@ -153,11 +155,21 @@ def test_rows_finish_at_different_times(method, tok):
         assert r.token_ids == a.token_ids == e, f"{method}: row {i}"
         assert r.finish_reason == a.finish_reason
         check_row_stats(r, cut_by_eos=True)
-    assert res.batches == 2
-    # the first batch (the 4 longest prompts) shrinks as its rows finish, then the last prompt runs alone
-    assert spy.sizes[0] == 4 and any(1 < b < 4 for b in spy.sizes), spy.sizes
-    first = spy.sizes[: spy.sizes.index(1)]
-    assert first == sorted(first, reverse=True)
+    # 4 rows at a time; when a row finishes the waiting prompt takes its place (a second admission), and
+    # every verify forward runs exactly over the rows still decoding: finished rows cost nothing
+    assert spy.sizes[0] == 4 and max(spy.sizes) == 4 and res.batches == 2
+    assert sum(spy.verify) == sum(r.stats.target_forwards for r in res)
+    assert res.target_forwards == len(spy.verify)
+    # all five at once: the batch shrinks as rows finish
+    spy = BatchSizes(model)
+    try:
+        with eos_set(model, tok, eos):
+            res5 = gen.generate_batch(input_ids=prompts, max_new_tokens=N_NEW)
+    finally:
+        spy.close()
+    assert [r.token_ids for r in res5] == [r.token_ids for r in res]
+    assert spy.verify[0] == 5 and spy.verify[-1] < 5 and spy.verify == sorted(spy.verify, reverse=True)
+    assert sum(spy.verify) == sum(r.stats.target_forwards for r in res5)
 
 
 def test_stop_strings_and_input_order(tok):

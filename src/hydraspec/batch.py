@@ -8,7 +8,9 @@ row: a node attends to its row's [0, L_b) and to its own tree ancestors; dummy n
 themselves, nobody sees them, and they are never accepted. Position ids are per row: L_b + depth.
 After acceptance each row moves its own accepted path from W + path to L_b + i (one gather/scatter
 per layer for the whole batch) and L_b grows by the path length. Rows that finish (EOS, token budget,
-stop string) are removed from the cache and from later forwards.
+stop string) are removed from the cache and from later forwards, and a waiting prompt (when there are
+more prompts than rows) takes the free row: it is prefilled on its own and joins the next step
+(continuous batching). The caches are allocated once, for the largest number of rows, and reused.
 
 Drafters are per-sequence objects, so every row gets its own shallow copy of the drafter (models and
 heads are shared, per-sequence state is not). Two drafters are batched across rows: draft-model chains
@@ -96,9 +98,10 @@ def _gib(n: int) -> str:
 class BatchResult:
     """Results in input order (indexable and iterable like a list) plus what the batch as a whole cost.
 
-    cache_bytes: the largest KV-cache allocation (target + draft model caches) of any batch of the call.
-    wall_s: the whole call. Per-row Stats: wall_s is the row's latency (start of its batch to its last
-    token), prefill_s and verify_s are the shared forwards it took part in, target_forwards counts them.
+    cache_bytes: the KV caches (target + draft model) allocated once for the call. wall_s: the whole call.
+    batches: admission rounds (the first rows, then each refill of rows freed by finished prompts).
+    Per-row Stats: wall_s is the row's latency (from its admission to its last token), prefill_s its
+    admission's prefill, verify_s the shared forwards it took part in, target_forwards counts them.
     """
 
     results: list[GenerationResult]
@@ -154,6 +157,7 @@ class _Row:
     d_cached: int = 0
     d_fed: int = 0
     d_k: int = 0
+    t_start: float = 0.0  # when the row was admitted (its latency runs from here)
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -245,9 +249,10 @@ class BatchGenerator:
                  batch_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: list[str] | None = None, chat: bool = True,
                  memory_limit: int | None = None) -> BatchResult:
-        """prompts: strings or message lists (or input_ids: token-id lists). batch_size: rows decoded
-        together (default: all); prompts are grouped by length into batches of that size. Sampling seeds:
-        row i of the input uses seed + i. memory_limit: bytes the caches may use (default: free memory)."""
+        """prompts: strings, message lists or token-id lists (or input_ids=). batch_size: most rows decoded
+        together (default: all); longest prompts first, and a row freed by a finished prompt is taken by the
+        next waiting one. Sampling: input row i uses seed + i. memory_limit: bytes the caches may use
+        (default: the free memory)."""
         if max_new_tokens <= 0:
             raise HydraspecError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if temperature < 0 or not (0 < top_p <= 1) or top_k < 0:
@@ -268,25 +273,22 @@ class BatchGenerator:
         if bs < 1:
             raise HydraspecError(f"batch size must be at least 1, got {bs}")
 
-        # group similar lengths together (less padding); results go back in input order
+        # longest prompts first (less padding among the rows decoded together); a finished row's place is
+        # taken by the next waiting prompt; results go back in input order
         order = sorted(range(len(all_ids)), key=lambda i: -len(all_ids[i]))
-        groups = [order[i:i + bs] for i in range(0, len(order), bs)]
-        needs = [self.estimate_bytes([len(all_ids[i]) for i in g], max_new_tokens) for g in groups]
-        biggest = max(range(len(groups)), key=lambda j: needs[j])
-        self.check_memory(needs[biggest], len(groups[biggest]), memory_limit, self.logits_bytes(len(groups[0])))
-        log.info("batched decoding: %d prompts in %d batches of up to %d rows; KV cache up to %s",
-                 len(all_ids), len(groups), bs, _gib(needs[biggest]))
+        rows = min(bs, len(order))
+        need = self.estimate_bytes([len(all_ids[i]) for i in order[:rows]], max_new_tokens)
+        self.check_memory(need, rows, memory_limit, self.logits_bytes(rows))
+        log.info("batched decoding: %d prompts, up to %d rows at a time; KV cache %s", len(all_ids), rows, _gib(need))
 
         sampling = Sampling(temperature, top_k, top_p)
         results: list[GenerationResult | None] = [None] * len(all_ids)
         t0 = time.perf_counter()
-        forwards = 0
-        for g in groups:
-            forwards += self._run(g, all_ids, max_new_tokens, sampling, seed, [s for s in (stop or []) if s],
-                                  results)
+        forwards, admissions = self._run(order, rows, all_ids, max_new_tokens, sampling, seed,
+                                         [s for s in (stop or []) if s], results)
         wall = time.perf_counter() - t0
-        return BatchResult(results=results, batch_size=bs, cache_bytes=max(needs), wall_s=wall,
-                           target_forwards=forwards, batches=len(groups))
+        return BatchResult(results=results, batch_size=bs, cache_bytes=need, wall_s=wall,
+                           target_forwards=forwards, batches=admissions)
 
     def _check_length(self, i: int, n: int, max_new_tokens: int) -> None:
         total = n + max_new_tokens
@@ -298,57 +300,53 @@ class BatchGenerator:
             raise HydraspecError(f"prompt {i} + max_new_tokens ({total}) exceeds the model's sliding window "
                                  f"({window}); tree attention over a sliding window is not supported")
 
-    def _run(self, group: list[int], all_ids, max_new: int, sampling: Sampling, seed, stops, results) -> int:
+    def _run(self, order: list[int], rows_max: int, all_ids, max_new: int, sampling: Sampling, seed, stops,
+             results) -> tuple[int, int]:
         model, dev = self.model, self.model.device
         accept_name = "greedy" if sampling.greedy else (self.acceptor or "lossless")
         accept = ACCEPTORS[accept_name]
         extra = self.typical if accept_name == "typical" else {}
         need_hidden = self.drafter.needs_hidden or any(d.needs_hidden for _, d in self.trees)
-        t_start = time.perf_counter()
 
-        rows: list[_Row] = []
-        for i in group:
-            ids = all_ids[i]
-            gen = None
-            if not sampling.greedy or accept_name == "typical":
-                gen = torch.Generator().manual_seed(seed + i if seed is not None else torch.seed())
-            state = DecodeState(tokens=list(ids), prompt_len=len(ids), sampling=sampling, generator=gen)
-            rows.append(_Row(index=i, ids=ids, drafter=copy.copy(self.drafter), state=state, gen=gen,
-                             stats=Stats(prompt_tokens=len(ids))))
-        B = len(rows)
-        capacity = max(len(r.ids) for r in rows) + max_new + self.max_nodes + 1
+        # the caches: rows_max rows, allocated once; row slots are reused by waiting prompts
+        capacity = max(len(all_ids[i]) for i in order) + max_new + self.max_nodes + 1
         cache = new_cache(model, capacity)
+        _allocate(cache, model, rows_max)
+        bd = _BatchDraft.make(self.drafter, capacity + self.max_nodes + 1, rows_max)
+        queue = list(order)
+        active: list[_Row] = []
+        admissions = 0
 
-        # prefill: every prompt but its last token, right-padded; row b's cache is then [0, len_b - 1)
-        lens = [len(r.ids) - 1 for r in rows]
-        P = max(lens)
-        if P > 0:
-            x = torch.zeros(B, P, dtype=torch.long)
-            for b, r in enumerate(rows):
-                x[b, :lens[b]] = torch.tensor(r.ids[:-1])
-            q = torch.arange(P)
-            causal = q[None, :] <= q[:, None]  # [P, P]
-            valid = q[None, :] < torch.tensor(lens)[:, None]  # [B, P] keys of the row's prompt
-            allowed = causal[None] & (valid[:, None, :] | torch.eye(P, dtype=torch.bool)[None])
-            out = model(input_ids=x.to(dev), position_ids=q[None].expand(B, P).to(dev),
-                        attention_mask=_additive(allowed, model.dtype, dev), past_key_values=cache, use_cache=True,
-                        output_hidden_states=need_hidden, logits_to_keep=1)
-            if need_hidden:
-                h = out.hidden_states[-1]
-                for b, r in enumerate(rows):
-                    if lens[b] > 0:
-                        r.state.hidden = h[b, lens[b] - 1]
-            del out
-        bd = _BatchDraft.make(self.drafter, rows, capacity + self.max_nodes + 1)
-        for b, r in enumerate(rows):
-            r.length = lens[b]
-            if bd is None:
-                r.drafter.start(r.state, len(r.ids) + max_new + self.max_nodes + 1)
-        prefill_s = time.perf_counter() - t_start
-        for r in rows:
-            r.stats.prefill_s = prefill_s
+        def admit(k: int) -> None:
+            t0 = time.perf_counter()
+            new = []
+            for i in queue[:k]:
+                ids = all_ids[i]
+                gen = None
+                if not sampling.greedy or accept_name == "typical":
+                    gen = torch.Generator().manual_seed(seed + i if seed is not None else torch.seed())
+                state = DecodeState(tokens=list(ids), prompt_len=len(ids), sampling=sampling, generator=gen)
+                new.append(_Row(index=i, ids=ids, drafter=copy.copy(self.drafter), state=state, gen=gen,
+                                stats=Stats(prompt_tokens=len(ids))))
+            del queue[:k]
+            first = len(active)
+            _prefill(model, cache, first, new, need_hidden)
+            if bd is not None:
+                bd.add(first, new)
+            else:
+                for r in new:
+                    r.drafter.start(r.state, len(r.ids) + max_new + self.max_nodes + 1)
+            _use_rows(cache, 0, first + len(new))
+            if bd is not None:
+                _use_rows(bd.cache, 0, first + len(new))
+            t1 = time.perf_counter()
+            for r in new:
+                r.t_start = t0
+                r.stats.prefill_s = t1 - t0
+            active.extend(new)
 
-        active = rows
+        admit(rows_max)
+        admissions += 1
         forwards = 0
         while active:
             # 1. drafts, one per row, trimmed to the row's token budget
@@ -427,7 +425,7 @@ class BatchGenerator:
                 tb = time.perf_counter()
                 r.stats.accept_s += tb - ta
                 if r.done:
-                    r.stats.wall_s = tb - t_start
+                    r.stats.wall_s = tb - r.t_start
                     finished.append(b)
                 else:
                     if bd is not None:
@@ -443,13 +441,15 @@ class BatchGenerator:
                     r = active[b]
                     results[r.index] = self._result(r, stops)
                 keep = [b for b in range(B) if b not in set(finished)]
-                active = [active[b] for b in keep]
-                if active:
-                    _select_rows(cache, torch.tensor(keep, device=dev))
-                    if bd is not None:
-                        _select_rows(bd.cache, torch.tensor(keep, device=bd.model.device))
+                active[:] = [active[b] for b in keep]
+                _select_rows(cache, torch.tensor(keep, dtype=torch.long, device=dev))
+                if bd is not None:
+                    _select_rows(bd.cache, torch.tensor(keep, dtype=torch.long, device=bd.model.device))
+                if queue:  # waiting prompts take the free rows
+                    admit(min(rows_max - len(active), len(queue)))
+                    admissions += 1
         del cache
-        return forwards
+        return forwards, admissions
 
     def _emit(self, r: _Row, emitted: list[int], max_new: int, stops: list[str]) -> None:
         """The stop rules of SpeculativeGenerator.generate: EOS (kept), token budget, stop strings."""
@@ -491,20 +491,28 @@ class _BatchDraft:
     -1 otherwise), the greedy confidence stop, draws from its own generator, and after verification the
     draft cache keeps only the accepted drafts."""
 
-    def __init__(self, proto, rows: list[_Row], capacity: int):
+    def __init__(self, proto, capacity: int, rows_max: int):
         self.p, self.model = proto, proto.model
         self.cache = new_cache(self.model, capacity)
-        for r in rows:
-            r.d_len = r.d_cached = r.d_fed = 0
-            r.d_k = proto.k0
+        _allocate(self.cache, self.model, rows_max)
 
     @staticmethod
-    def make(drafter, rows, capacity):
+    def make(drafter, capacity: int, rows_max: int):
         from .drafters.draft_model import DraftModelDrafter
 
         if type(drafter) is not DraftModelDrafter or drafter.widths:
             return None
-        return _BatchDraft(drafter, rows, capacity)
+        return _BatchDraft(drafter, capacity, rows_max)
+
+    def add(self, first: int, rows: list[_Row]) -> None:
+        """New rows at cache rows [first, first + len(rows)): prefill the draft model on their prompts but
+        the last token (which the next proposal feeds)."""
+        for r in rows:
+            r.d_k = self.p.k0
+            r.d_fed = 0
+            r.d_cached = r.d_len = len(r.ids) - 1
+        if any(r.d_cached for r in rows):
+            _prefill(self.model, self.cache, first, rows, False, draft=True)
 
     def _forward(self, active: list[_Row], feeds: list[list[int]]) -> torch.Tensor:
         """Append feeds[b] to row b's draft cache; logits [B, vocab] at each row's last fed token."""
@@ -650,6 +658,63 @@ def _additive(allowed: torch.Tensor, dtype, device) -> torch.Tensor:
     return mask[:, None].to(device)
 
 
+def _allocate(cache, model, rows: int) -> None:
+    """Allocate every layer's buffers for `rows` rows now (SlotLayer would allocate at its first write)."""
+    cfg = _text_config(model)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    empty = torch.empty(rows, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
+    for layer in cache.layers:
+        layer.lazy_initialization(empty, empty)
+        layer.full_k, layer.full_v = layer.k_buf, layer.v_buf
+        layer.length = 0
+
+
+def _use_rows(cache, start: int, stop: int) -> None:
+    """Make the layers read and write rows [start, stop) of their full buffers."""
+    for layer in cache.layers:
+        layer.k_buf, layer.v_buf = layer.full_k[start:stop], layer.full_v[start:stop]
+        layer.keys = layer.k_buf[:, :, : layer.length]
+        layer.values = layer.v_buf[:, :, : layer.length]
+
+
+@torch.inference_mode()
+def _prefill(model, cache, first: int, rows: list[_Row], need_hidden: bool, draft: bool = False) -> None:
+    """Write every new row's prompt but its last token into cache rows [first, first + len(rows)), slots
+    [0, len - 1) (right-padded, causal within each row); sets row.length (target) and the hidden state
+    of the last prefilled token when asked."""
+    lens = [len(r.ids) - 1 for r in rows]
+    if not draft:
+        for r, n in zip(rows, lens):
+            r.length = n
+    P = max(lens)
+    if P == 0:
+        return
+    dev = model.device
+    B = len(rows)
+    x = torch.zeros(B, P, dtype=torch.long)
+    for b, r in enumerate(rows):
+        x[b, :lens[b]] = torch.tensor(r.ids[:-1])
+    q = torch.arange(P)
+    causal = q[None, :] <= q[:, None]  # [P, P]
+    valid = q[None, :] < torch.tensor(lens)[:, None]  # [B, P] keys of the row's prompt
+    allowed = causal[None] & (valid[:, None, :] | torch.eye(P, dtype=torch.bool)[None])
+    saved = [layer.length for layer in cache.layers]
+    _use_rows(cache, first, first + B)
+    for layer in cache.layers:
+        layer.length = 0
+    out = model(input_ids=x.to(dev), position_ids=q[None].expand(B, P).to(dev),
+                attention_mask=_additive(allowed, model.dtype, dev), past_key_values=cache, use_cache=True,
+                output_hidden_states=need_hidden, logits_to_keep=1)
+    for layer, n in zip(cache.layers, saved):
+        layer.length = n
+    if need_hidden:
+        h = out.hidden_states[-1]
+        for b, r in enumerate(rows):
+            if lens[b] > 0:
+                r.state.hidden = h[b, lens[b] - 1]
+
+
 def _is_ids(p) -> bool:
     """A prompt given as token ids (a non-empty list/tuple of ints or a 1D tensor) rather than text/messages."""
     if isinstance(p, torch.Tensor):
@@ -686,17 +751,12 @@ def _select_rows(cache, keep: torch.Tensor) -> None:
     """Drop the cache rows of finished sequences: the kept rows move to the front of the same buffers
     (allocated once, never grown) and the layers see only those rows from now on."""
     n = keep.numel()
-    moved = not torch.equal(keep.cpu(), torch.arange(n))
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False):
-            continue
-        for name in ("k_buf", "v_buf"):
-            buf = getattr(layer, name)
-            if moved:
+    if not torch.equal(keep.cpu(), torch.arange(n)):
+        for layer in cache.layers:
+            for name in ("full_k", "full_v"):
+                buf = getattr(layer, name)
                 buf[:n] = buf[keep]
-            setattr(layer, name, buf[:n])
-        layer.keys = layer.k_buf[:, :, : layer.length]
-        layer.values = layer.v_buf[:, :, : layer.length]
+    _use_rows(cache, 0, n)
 
 
 # ---- command line --------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """`hydraspec bench --batch-sizes 1,2,4,...`: throughput and per-sequence latency of batched decoding.
 
-Every method answers the first turn of every question at every batch size (prompts grouped by length
-into batches of that size, as BatchGenerator does). Reported per (method, batch size): tokens/s over
-the whole run (all rows' new tokens / wall time), mean per-sequence latency (start of its batch to its
-last token; for hf-ar, whose rows all return together, the batch's wall time), tokens per target
-forward and the share of answers identical to `ar` at the smallest batch size (greedy only).
+Every method answers the first turn of every question at every batch size: our methods with at most
+that many rows at a time (longest prompts first, finished rows refilled with waiting prompts), hf-ar
+with static left-padded batches of that size (longest prompts first). Reported per (method, batch
+size): tokens/s over the whole run (all rows' new tokens / wall time), mean per-sequence latency (from
+the row's admission to its last token; for hf-ar, whose rows all return together, its batch's wall
+time), tokens per target forward and the share of answers identical to `ar` at the smallest batch size
+(greedy only).
 Outputs: batch_results.json, batch_results.md, batch_throughput.png in --out.
 """
 from __future__ import annotations
