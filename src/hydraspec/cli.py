@@ -126,6 +126,10 @@ def cmd_generate(args) -> int:
 
     if args.max_new_tokens <= 0:
         raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if getattr(args, "batch_size", None) is not None:
+        from .batch import cmd_generate_batch
+
+        return cmd_generate_batch(args)
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
@@ -299,6 +303,11 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--stream", action="store_true", help="print tokens as they are accepted")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="batched decoding: --prompt-file holds one prompt per line (text or JSON); decode B at a "
+                        "time, one verify forward per step for the batch (--json: one object per line)")
+    g.add_argument("--batch-trees", help="with --batch-size and medusa/hydra: JSON file or object "
+                                         "{batch_size: tree paths}; the tree of the largest size <= active rows")
     add_method_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

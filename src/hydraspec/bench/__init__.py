@@ -59,6 +59,12 @@ def add_parser(subparsers):
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
     p.add_argument("--pld-tokens", type=int, default=10,
                    help="most tokens prompt lookup proposes, ours and transformers' (default 10)")
+    p.add_argument("--batch-sizes", metavar="1,2,4,...",
+                   help="batched mode: throughput and per-sequence latency of methods ar, pld, draft, medusa, hydra "
+                        "and hf-ar (left-padded generate) at each batch size, first turns only; writes "
+                        "batch_results.json/.md and batch_throughput.png")
+    p.add_argument("--batch-trees", help="with --batch-sizes, for medusa/hydra: JSON file or object "
+                                         "{batch_size: tree paths} (the tree of the largest size <= active rows)")
     p.set_defaults(func=_cmd)
     return p
 

@@ -64,6 +64,10 @@ def run_bench(args, loader=None) -> int:
     """Run `hydraspec bench` (args as parsed by add_parser's sub-parser) and write its outputs to args.out.
     loader(name, dtype=, device=) -> (model, tokenizer) defaults to hydraspec.models.load_model.
     Returns 0; problems raise HydraspecError; KeyboardInterrupt propagates after saving what finished."""
+    if getattr(args, "batch_sizes", None):
+        from .batched import run_batch_bench
+
+        return run_batch_bench(args, loader)
     import torch
     from tqdm import tqdm
 
