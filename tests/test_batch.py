@@ -27,7 +27,11 @@ def draft_model():
 @functools.lru_cache(maxsize=None)
 def heads(kind):
     torch.manual_seed(11)
-    h = build_heads(kind, tiny.cached_model("llama", "sdpa", SEED), num_heads=3)
+    if kind == "hydra++":  # prefix layer (a cache per row) and a draft vocabulary (index -> token id mapping)
+        h = build_heads("hydra", tiny.cached_model("llama", "sdpa", SEED), num_heads=3, prefix_layer=True,
+                        vocab_subset=list(range(0, tiny.VOCAB, 2)))
+    else:
+        h = build_heads(kind, tiny.cached_model("llama", "sdpa", SEED), num_heads=3)
     with torch.no_grad():  # fresh Medusa blocks are the identity; perturb so that heads disagree
         for p in h.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -44,6 +48,7 @@ DRAFTERS = {
     "draft-tree": lambda m: make_drafter("draft", draft_model(), widths=[2, 2, 1]),
     "medusa": lambda m: make_drafter("medusa", heads=heads("medusa"), embed=m.get_input_embeddings(), tree=TREE),
     "hydra": lambda m: make_drafter("hydra", heads=heads("hydra"), embed=m.get_input_embeddings(), tree=TREE),
+    "hydra++": lambda m: make_drafter("hydra++", heads=heads("hydra++"), embed=m.get_input_embeddings(), tree=TREE),
 }
 
 
@@ -298,7 +303,7 @@ def test_lossless_sampling_in_a_batch_follows_the_target(widths):
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "draft-chain", "draft-tree", "medusa", "hydra"])
+@pytest.mark.parametrize("method", ["ar", "pld", "draft-chain", "draft-tree", "medusa", "hydra", "hydra++"])
 def test_sampled_rows_equal_batch_of_one_with_the_same_seed(method, tok):
     """Row i of a batch draws from its own generator seeded seed + i, in the same order as a batch-1 run,
     so (up to float rounding of batched forwards) it samples exactly what that run samples."""

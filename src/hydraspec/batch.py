@@ -356,7 +356,8 @@ class BatchGenerator:
             if bd is not None:  # draft-model chains: one draft forward per depth for every row
                 together = bd.propose(active)
             else:  # head drafters: one heads call per depth for every row (None: other drafters)
-                together = propose_heads_batched(self._drafter_for(active[0], n_active), [r.state for r in active])
+                together = propose_heads_batched(self._drafter_for(active[0], n_active), [r.state for r in active],
+                                                 [r.drafter for r in active])
             if together is not None:
                 dt = (time.perf_counter() - t0) / n_active
                 for r in active:
@@ -422,6 +423,7 @@ class BatchGenerator:
                 r.stats.target_forwards += 1
                 r.stats.verify_s += verify_s
                 r.state.hidden = hid[b, acc.path[-1]] if hid is not None else None
+                r.state.new_hidden = hid[b, acc.path] if hid is not None else None
                 tb = time.perf_counter()
                 r.stats.accept_s += tb - ta
                 if r.done:
@@ -594,7 +596,7 @@ class _BatchDraft:
             r.d_k = min(r.d_k + 2, self.p.max_k) if n_accepted >= r.d_k else max(1, r.d_k - 1)
 
 
-def propose_heads_batched(drafter, states: list[DecodeState]):
+def propose_heads_batched(drafter, states: list[DecodeState], row_drafters=None):
     """HeadDrafter.propose for many rows at once (same trees, same tokens, same random draws per row's
     generator), calling each head once per depth for all rows instead of once per row: the heads' vocabulary
     projection is read once per depth. None when `drafter` is not a head drafter (then call it per row)."""
@@ -609,7 +611,15 @@ def propose_heads_batched(drafter, states: list[DecodeState]):
     if not live:
         return out
     heads, parents, n = drafter.heads, drafter.parents, len(drafter.parents)
-    H = torch.stack([states[j].hidden for j in live])  # [R, dim]
+    if getattr(heads, "prefix", None) is not None:
+        # Hydra++: each row's own drafter keeps that row's prefix-layer cache and gives what the heads read
+        if row_drafters is None:
+            return None
+        H = torch.stack([row_drafters[j]._head_input(states[j]) for j in live])
+    else:
+        H = torch.stack([states[j].hidden for j in live])  # [R, dim]
+    to_ids = getattr(heads, "token_ids", lambda i: i)  # draft vocabulary -> token ids
+    to_probs = getattr(heads, "full_probs", lambda p: p)
     greedy = states[0].sampling.greedy
     tokens = [[0] * n for _ in live]
     qrows = [[None] * n for _ in live]
@@ -624,7 +634,7 @@ def propose_heads_batched(drafter, states: list[DecodeState]):
             lg = heads.logits(d, H.repeat_interleave(P, 0), emb).float().view(len(live), P, -1)
         if greedy:
             need = max(drafter.ranks[c] for p in par for c in kids[p]) + 1
-            top = torch.topk(lg, need, dim=-1).indices.tolist()  # [R][P][need]
+            top = to_ids(torch.topk(lg, need, dim=-1).indices).tolist()  # [R][P][need]
         for r, j in enumerate(live):
             for i, p in enumerate(par):
                 children = kids[p]
@@ -632,7 +642,7 @@ def propose_heads_batched(drafter, states: list[DecodeState]):
                     for c in children:
                         tokens[r][c] = top[r][i][drafter.ranks[c]]
                 else:
-                    probs = states[j].sampling.probs(lg[r, i])
+                    probs = to_probs(states[j].sampling.probs(lg[r, i]))
                     draws = sample_without_replacement(probs, len(children), states[j].generator).tolist()
                     for c, x in zip(children, draws):
                         tokens[r][c] = x
@@ -713,6 +723,7 @@ def _prefill(model, cache, first: int, rows: list[_Row], need_hidden: bool, draf
         for b, r in enumerate(rows):
             if lens[b] > 0:
                 r.state.hidden = h[b, lens[b] - 1]
+                r.state.new_hidden = h[b, :lens[b]]
 
 
 def _is_ids(p) -> bool:
