@@ -30,7 +30,9 @@ def _base_pass(model, ids: torch.Tensor, want_logits: bool):
 
 def choose_draft_vocab(rows, size: int, model) -> tuple[list[int], float]:
     """The `size` most frequent tokens of the answers (plus the EOS ids), and the share of answer
-    tokens they cover."""
+    tokens they cover. When the answers hold fewer distinct tokens, the rest are the lowest token ids
+    not yet chosen (byte-pair vocabularies number their tokens in merge order, roughly by frequency),
+    so that tokens the training answers happen not to use can still be drafted."""
     from collections import Counter
 
     from ..generator import eos_ids
@@ -42,6 +44,12 @@ def choose_draft_vocab(rows, size: int, model) -> tuple[list[int], float]:
         if len(keep) >= size:
             break
         if t not in keep:
+            keep.append(t)
+    chosen = set(keep)
+    for t in range(vocab):
+        if len(keep) >= size:
+            break
+        if t not in chosen:
             keep.append(t)
     total = sum(counts.values())
     covered = sum(counts[t] for t in keep)
