@@ -26,6 +26,8 @@ def run_demo(args) -> int:
     model, tok = load_model(name, dtype=args.dtype, device=args.device, auto_pull=True)
     prompt = args.prompt or DEMO_PROMPT
     runs = [("ar", make_drafter("ar")), ("pld", make_drafter("pld"))]
+    if args.model is None or args.model == DEFAULT_MODEL:
+        runs += bundled_head_drafters(model)
     results = {}
     for label, drafter in runs:
         gen = SpeculativeGenerator(model, tok, drafter)
@@ -48,3 +50,27 @@ def _first_diff(a, b) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+def bundled_heads_dirs() -> list:
+    """Heads trained by `hydraspec train-heads` for the default model and shipped with the package."""
+    from importlib.resources import files
+
+    root = files("hydraspec") / "data" / "heads"
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.json").is_file())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def bundled_head_drafters(model) -> list:
+    from .drafters import make_drafter
+    from .heads import load_heads
+
+    out = []
+    for d in bundled_heads_dirs():
+        heads, cfg = load_heads(d, model)
+        method = "hydra++" if cfg["kind"] == "hydra" and cfg.get("prefix_layer") else cfg["kind"]
+        out.append((method, make_drafter(method, heads=heads, embed=model.get_input_embeddings(),
+                                         tree=cfg.get("default_tree"))))
+    return out

@@ -80,3 +80,18 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
 
 def _norm(name: str) -> str:
     return Path(str(name)).name.lower().removesuffix(".gguf")
+
+
+def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
+    """Copy a heads checkpoint with its float weights cast to `dtype` (bf16 halves the size; the heads
+    are cast to the model's dtype when loaded anyway). Used to ship the default model's heads."""
+    import shutil
+
+    s, d = Path(src), Path(dst)
+    d.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(s / "heads.safetensors"))
+    cast = getattr(torch, dtype)
+    state = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    save_file(state, str(d / "heads.safetensors"))
+    shutil.copy(s / "config.json", d / "config.json")
+    return d
