@@ -246,10 +246,10 @@ def cmd_build_tree(args) -> int:
         raise HydraspecError("build-tree needs exactly one of --heads DIR and --draft-model")
     if args.max_nodes < 1 or args.max_new_tokens < 1:
         raise HydraspecError("--max-nodes and --max-new-tokens must be at least 1")
-    questions = load_questions(args.prompts, limit=args.limit)
+    questions = load_questions(args.prompts, limit=args.limit, skip=args.skip)
     if not questions:
         raise HydraspecError("no calibration prompts in " + ", ".join(args.prompts))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     heads = draft = None
     if args.heads:
@@ -356,7 +356,9 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--draft-model", help="draft model sharing the target's tokenizer (its top-k tree)")
     b.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
                    help="calibration prompts (Spec-Bench jsonl, first turns); keep them apart from evaluation prompts")
-    b.add_argument("--limit", type=int, help="first N prompts of each category")
+    b.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")
+    b.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N prompts of each category (e.g. the ones bench --limit N evaluates on)")
     b.add_argument("--max-nodes", type=int, default=100, help="largest tree (default 100)")
     b.add_argument("--method", default="simulate", choices=("medusa", "simulate"),
                    help="medusa: independent per-depth accuracies; simulate: replay decoding (default)")
