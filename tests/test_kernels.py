@@ -70,8 +70,46 @@ def test_packed_linear_uses_native_kernel_for_bf16():
     torch.manual_seed(3)
     lin = nn.Linear(48, 24, bias=True).to(torch.bfloat16)
     packed = PackedLinear(lin)
-    assert packed.native and packed.packed is None
+    assert packed.native and packed.packed.shape == (1, 48, 32)  # one zero-padded block of 32 outputs
     with torch.inference_mode():
-        for rows in (1, 6, 250):  # kernel rows, and the widened-weight path above NATIVE_MAX_ROWS
+        for rows in (1, 6, 13, 250):  # one row block, a partial one, many
             x = torch.randn(2, rows, 48, dtype=torch.bfloat16)
             torch.testing.assert_close(packed(x).float(), lin(x).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_int8_linear_matches_its_dequantized_weight(use_native, monkeypatch):
+    from hydraspec import kernels
+    from hydraspec.kernels import Int8Linear
+    if use_native and kernels.native_lib() is None:
+        pytest.skip("native kernel not built here")
+    if not use_native:
+        monkeypatch.setattr(kernels, "native_lib", lambda: None)
+    torch.manual_seed(4)
+    lin = nn.Linear(40, 45, bias=True).to(torch.bfloat16)  # 45 outputs: a padded second block
+    q = Int8Linear(lin)
+    deq = q.dequantized()
+    # absmax/127 per output: every weight within half a step of its int8 value
+    assert (deq - lin.weight.float()).abs().max() <= q.scale.max() / 2 + 1e-6
+    assert q.qweight.dtype == torch.int8 and q.qweight.shape == (2, 40, 32)
+    with torch.inference_mode():
+        for rows in (1, 5, 12, 13, 30):
+            x = torch.randn(rows, 40).bfloat16()
+            ref = x.double() @ deq.double().T + lin.bias.double()
+            torch.testing.assert_close(q(x).double(), ref.bfloat16().double(), atol=1e-6, rtol=8e-3)
+
+
+def test_int8_draft_model_keeps_output_exact(tok):
+    """Quantising the drafter may change acceptance, never the output (fp32 target, greedy)."""
+    from hydraspec.kernels import Int8Linear, quantize_int8
+    target = tiny.cached_model("llama", "sdpa", 1)
+    draft = copy.deepcopy(target)
+    assert quantize_int8(draft) == 2 * 7 + 1
+    assert isinstance(draft.lm_head, Int8Linear)
+    prompt = [4, 8, 15, 16, 23, 42]
+    ref = tiny.hf_greedy(target, prompt, 24)
+    for kw in ({}, {"widths": [2, 1]}):
+        res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=draft, **kw)).generate(
+            input_ids=prompt, max_new_tokens=24)
+        assert res.token_ids == ref
+        assert res.stats.mean_accepted > 1.0  # a close copy of the target keeps proposing accepted tokens

@@ -849,7 +849,12 @@ def cmd_generate_batch(args) -> int:
     trees = load_batch_trees(getattr(args, "batch_trees", None))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.method == "draft" else None
+    draft = None
+    if args.method == "draft":
+        from .models import quantize_draft
+
+        draft = load_model(args.draft_model, dtype=args.dtype, device=args.device)
+        quantize_draft(draft[0], getattr(args, "draft_quant", None))
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees)
     res = bg.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

@@ -11,8 +11,9 @@ Row counts where the plain kernel measured faster keep using it. The results equ
 
 bf16 weights with more rows are the weak spot of oneDNN on CPUs that emulate bf16: its cost grows
 with every row (a Qwen2.5-1.5B forward: 256 ms for 1 token, 1185 ms for 8), which defeats
-speculative verification. `csrc/bf16_linear.c` multiplies bf16 weights with up to
-`NATIVE_MAX_ROWS` fp32 activation rows while reading the weight once; it is compiled on first use
+speculative verification. `csrc/bf16_linear.c` packs each bf16 weight once into blocks of 32 outputs
+and multiplies it with 12 fp32 activation rows at a time while reading the weight once per call (and
+`Int8Linear` does the same with int8 weights for draft models); it is compiled on first use
 with the system C compiler into the hydraspec home (`kernels/`) and used when the CPU has AVX-512
 (set HYDRASPEC_NATIVE=0 to turn it off). Without a compiler or AVX-512 everything falls back to
 oneDNN, only slower.
@@ -31,7 +32,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-NATIVE_MAX_ROWS = 192  # above this (long prefills) widening the weight to fp32 once per call is faster
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-shared", "-fPIC"]
 
 
@@ -81,16 +81,38 @@ def native_lib():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn
+    lib.hs_pack_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.hs_pack_bf16.restype = None
+    lib.hs_linear_i8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.hs_linear_i8.restype = ctypes.c_int
+    return lib
 
 
-def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None) -> torch.Tensor:
+PACK_BLOCK = 32  # outputs per packed block (OB in csrc/bf16_linear.c)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of a bf16 [out, in] weight: [ceil(out/32), in, 32] bf16, zero padded."""
+    w = weight.detach().contiguous()
+    out, inf = w.shape
+    wp = torch.empty((out + PACK_BLOCK - 1) // PACK_BLOCK, inf, PACK_BLOCK, dtype=torch.bfloat16)
+    native_lib().hs_pack_bf16(w.data_ptr(), out, inf, wp.data_ptr())
+    return wp
+
+
+def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None,
+                       packed: torch.Tensor | None = None) -> torch.Tensor:
     """y = x2 @ weight.T (+ bias) with the native kernel; x2 [rows, in] and weight [out, in] bf16,
-    bias32 fp32 or None; returns bf16 [rows, out] (fp32 accumulation, rounded once)."""
+    bias32 fp32 or None, `packed` = pack_bf16(weight) when the caller keeps one; returns bf16
+    [rows, out] (fp32 accumulation, rounded once)."""
     x2 = x2.contiguous()
+    if packed is None:
+        packed = pack_bf16(weight)
     y = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    if native_lib()(x2.data_ptr(), x2.shape[0], x2.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr(),
-                    None if bias32 is None else bias32.data_ptr(), torch.get_num_threads()):
+    if native_lib().hs_linear_bf16(x2.data_ptr(), x2.shape[0], x2.shape[1], packed.data_ptr(), weight.shape[0],
+                                   y.data_ptr(), None if bias32 is None else bias32.data_ptr(),
+                                   torch.get_num_threads()):
         raise MemoryError("hydraspec bf16 kernel: out of memory")
     return y
 
@@ -109,8 +131,10 @@ class PackedLinear(nn.Module):
                        and native_lib() is not None)
         self.bias32 = lin.bias.detach().float().contiguous() if self.native and lin.bias is not None else None
         self.packed = None
-        if not self.native:  # the native kernel needs no second copy of the weight
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.native:  # the kernel's blocked layout (one more bf16 copy of the weight)
+                self.packed = pack_bf16(lin.weight)
+            else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
         # row counts where the plain kernel measured faster (2-core AVX-512 CPU, no native bf16)
         self.plain_rows = (2, 3) if lin.weight.dtype == torch.bfloat16 else (1, 2, 3)
@@ -118,10 +142,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
             x2 = x.reshape(-1, self.in_features)
-            if x2.shape[0] <= NATIVE_MAX_ROWS:
-                y = native_linear_bf16(x2, self.weight, self.bias32)
-            else:  # many rows: widen the weight once and use the fp32 GEMM (faster than emulated bf16)
-                y = nn.functional.linear(x2.float(), self.weight.float(), self.bias32).to(x.dtype)
+            y = native_linear_bf16(x2, self.weight, self.bias32, self.packed)
             return y.view(*x.shape[:-1], self.out_features)
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return nn.functional.linear(x, self.weight, self.bias)
@@ -135,6 +156,60 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "native bf16 kernel" if self.native else "prepacked"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+class Int8Linear(nn.Module):
+    """A Linear whose weight is held as int8 with one fp32 scale per output (symmetric, absmax/127),
+    for draft models: a bf16 activation row reads half the bytes of bf16 weights. Drafts only propose
+    tokens that the unquantised target then verifies, so quantising the drafter changes how many tokens
+    are accepted, never what is generated. Falls back to dequantised fp32 math without the native kernel."""
+
+    def __init__(self, lin: nn.Module):
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        with torch.no_grad():
+            w = lin.weight.detach().float()
+            scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            pad = (-self.out_features) % PACK_BLOCK
+            qp = torch.cat([q, q.new_zeros(pad, self.in_features)]) if pad else q
+            self.register_buffer("qweight", qp.view(-1, PACK_BLOCK, self.in_features).transpose(1, 2).contiguous())
+            self.register_buffer("scale", scale.contiguous())
+            self.register_buffer("bias32", None if lin.bias is None else lin.bias.detach().float().contiguous())
+        self.out_dtype = lin.weight.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        q = self.qweight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        return q.float() * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = native_lib()
+        if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            x2 = x.reshape(-1, self.in_features).contiguous()
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
+            if lib.hs_linear_i8(x2.data_ptr(), x2.shape[0], self.in_features, self.qweight.data_ptr(),
+                                self.scale.data_ptr(), self.out_features, y.data_ptr(),
+                                None if self.bias32 is None else self.bias32.data_ptr(), torch.get_num_threads()):
+                raise MemoryError("hydraspec int8 kernel: out of memory")
+            return y.view(*x.shape[:-1], self.out_features)
+        y = nn.functional.linear(x.float(), self.dequantized(), self.bias32)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Swap every Linear / PackedLinear inside `model` for an Int8Linear (draft models only: the target
+    must stay unquantised for the output to be the target's). Returns how many."""
+    todo = []
+    for mod in model.modules():
+        for child_name, child in mod.named_children():
+            if type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu":
+                todo.append((mod, child_name, child))
+    for parent, child_name, child in todo:
+        setattr(parent, child_name, Int8Linear(child))
+    return len(todo)
 
 
 def prepack(model: nn.Module) -> int:

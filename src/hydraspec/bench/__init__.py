@@ -57,6 +57,8 @@ def add_parser(subparsers):
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory: records.jsonl, results.json, results.md, speedup.png, answers/")
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+    p.add_argument("--draft-quant", choices=["none", "int8"], default="none",
+                   help="hold the draft model's weights as int8 (CPU), for draft and hf-assisted alike")
     p.add_argument("--pld-tokens", type=int, default=10,
                    help="most tokens prompt lookup proposes, ours and transformers' (default 10)")
     p.add_argument("--batch-sizes", metavar="1,2,4,...",

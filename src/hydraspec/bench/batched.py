@@ -95,6 +95,10 @@ def run_batch_bench(args, loader=None) -> int:
     model, tok = load(args.model, dtype=args.dtype, device=args.device)
     draft = load(args.draft_model, dtype=args.dtype, device=args.device) if any(
         METHODS[m].needs_draft for m in methods) else None
+    if draft is not None:
+        from ..models import quantize_draft
+
+        quantize_draft(draft[0], getattr(args, "draft_quant", None))
     from ..batch import BatchGenerator, load_batch_trees
     from ..generator import SpeculativeGenerator, eos_ids
 

@@ -28,6 +28,7 @@ def settings_of(args) -> dict:
         "tree": getattr(args, "tree", None),
         "dtype": args.dtype, "device": args.device, "max_new_tokens": args.max_new_tokens,
         "temperature": float(args.temperature), "seed": args.seed, "draft_k": args.draft_k,
+        "draft_quant": getattr(args, "draft_quant", "none"),
         "pld_tokens": args.pld_tokens, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
         "categories": _split_list(args.categories), "methods": parse_methods(args.methods),
     }
@@ -100,6 +101,9 @@ def run_bench(args, loader=None) -> int:
         draft = None
         if any(METHODS[m].needs_draft for m in working):
             draft = load(args.draft_model, dtype=args.dtype, device=args.device)
+            from ..models import quantize_draft
+
+            quantize_draft(draft[0], getattr(args, "draft_quant", None))
         from ..generator import SpeculativeGenerator, eos_ids
 
         ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),

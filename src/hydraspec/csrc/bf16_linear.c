@@ -2,11 +2,15 @@
 
    CPUs without native bf16 arithmetic (no AVX512_BF16 / AMX) make oneDNN's bf16 GEMM emulate it,
    and its cost then grows with every extra row: exactly what a speculative verify step (a few to a
-   few dozen rows) cannot afford. This kernel widens each weight vector to fp32 once (a shift) and
-   multiplies it with up to 8 rows of activations widened to fp32, so the weight is read once per call
-   and the cost stays close to the one-row, memory-bound cost. Each (row, output) dot product is
-   summed in the same order whatever the number of rows, so a row's result does not depend on the
-   rows computed beside it. Build: cc -O3 -mavx512f -mavx512bw -mavx512vl -fopenmp -shared -fPIC. */
+   few dozen rows) cannot afford. This kernel keeps the weight in bf16, packed once into blocks of
+   32 outputs ([out/32][in][32]), widens each weight vector to fp32 with a shift, and multiplies it with
+   up to 12 activation rows at a time held as broadcast fp32 scalars (a register-blocked GEMM micro
+   kernel: 24 accumulators, two weight vectors per input). One thread streams its own output blocks,
+   so the weight is read from memory once per call and re-read from L2 for further row blocks.
+
+   Every (row, output) sum runs over the inputs in order 0..in-1 in fp32, whatever the number of rows
+   and whichever block a row falls in, so a row's result does not depend on the rows computed beside it.
+   Build: cc -O3 -mavx512f -mavx512bw -mavx512vl -fopenmp -shared -fPIC. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -15,65 +19,131 @@
 #include <omp.h>
 #endif
 
+#define OB 32 /* outputs per packed block */
+#define NB 12 /* activation rows per micro-kernel pass */
+
 /* fp32 -> bf16 bits, round to nearest even (as torch's conversion); NaN stays a quiet NaN */
 static inline uint16_t f2bf(float f) {
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-static inline __m512 cvbf(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
-static inline __m512 ldbf(const uint16_t* p) { return cvbf(_mm256_loadu_si256((const __m256i*)p)); }
-static inline __m512 ldbf_m(const uint16_t* p, __mmask16 m) { return cvbf(_mm256_maskz_loadu_epi16(m, p)); }
-
-/* R output rows x N tokens per pass; summation order per (row, token) is independent of R and N */
-#define DEF(R, N) \
-static void blk_##R##_##N(const float* x, int64_t in, const uint16_t* w, int64_t o, int64_t out, uint16_t* y, const float* bias) { \
-    int64_t full = in & ~15LL; __mmask16 tm = (__mmask16)((1u << (in & 15)) - 1u); \
-    __m512 acc[R][N]; \
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) _Pragma("GCC unroll 16") for (int j = 0; j < N; j++) acc[r][j] = _mm512_setzero_ps(); \
-    for (int64_t i = 0; i < full; i += 16) { \
-        __m512 wv[R]; \
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) wv[r] = ldbf(w + (o + r) * in + i); \
-        _Pragma("GCC unroll 16") for (int j = 0; j < N; j++) { __m512 xv = _mm512_loadu_ps(x + j * in + i); \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]); } \
-    } \
-    if (tm) { __m512 wv[R]; \
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) wv[r] = ldbf_m(w + (o + r) * in + full, tm); \
-        _Pragma("GCC unroll 16") for (int j = 0; j < N; j++) { __m512 xv = _mm512_maskz_loadu_ps(tm, x + j * in + full); \
-            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]); } } \
-    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) { float b = bias ? bias[o + r] : 0.0f; \
-        _Pragma("GCC unroll 16") for (int j = 0; j < N; j++) y[j * out + o + r] = f2bf(_mm512_reduce_add_ps(acc[r][j]) + b); } \
+static inline __m512 ldbf(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-#define DEFN(N) DEF(1, N) DEF(2, N)
-DEFN(1) DEFN(2) DEFN(3) DEFN(4) DEFN(5) DEFN(6) DEFN(7) DEFN(8)
-DEF(4, 1) DEF(4, 2) DEF(4, 3) DEF(4, 4)
 
-typedef void (*blkfn)(const float*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, const float*);
-static blkfn F1[9] = {0, blk_1_1, blk_1_2, blk_1_3, blk_1_4, blk_1_5, blk_1_6, blk_1_7, blk_1_8};
-static blkfn F2[9] = {0, blk_2_1, blk_2_2, blk_2_3, blk_2_4, blk_2_5, blk_2_6, blk_2_7, blk_2_8};
-static blkfn F4[5] = {0, blk_4_1, blk_4_2, blk_4_3, blk_4_4};
+/* xt: [in][N] fp32 (row block transposed), wb: [in][32] bf16 (one packed block), y rows of length `out` */
+#define DEF(N) \
+static void mk_##N(const float* xt, int64_t in, const uint16_t* wb, uint16_t* y, int64_t out, int64_t o0, \
+                   int64_t width, const float* bias) { \
+    __m512 a0[N], a1[N]; \
+    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); } \
+    for (int64_t i = 0; i < in; i++) { \
+        __m512 w0 = ldbf(wb + i * OB), w1 = ldbf(wb + i * OB + 16); \
+        _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512 xv = _mm512_set1_ps(xt[i * N + j]); \
+            a0[j] = _mm512_fmadd_ps(w0, xv, a0[j]); a1[j] = _mm512_fmadd_ps(w1, xv, a1[j]); } \
+    } \
+    float buf[OB]; \
+    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
+        _mm512_storeu_ps(buf, a0[j]); _mm512_storeu_ps(buf + 16, a1[j]); \
+        uint16_t* yr = y + j * out + o0; \
+        for (int64_t k = 0; k < width; k++) yr[k] = f2bf(buf[k] + (bias ? bias[o0 + k] : 0.0f)); } \
+}
+DEF(1) DEF(2) DEF(3) DEF(4) DEF(5) DEF(6) DEF(7) DEF(8) DEF(9) DEF(10) DEF(11) DEF(12)
+typedef void (*mkfn)(const float*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, const float*);
+static const mkfn MK[NB + 1] = {0, mk_1, mk_2, mk_3, mk_4, mk_5, mk_6, mk_7, mk_8, mk_9, mk_10, mk_11, mk_12};
 
-#define BO 32
-/* x [n, in], w [out, in], y [n, out]: bf16 bits, contiguous; bias [out]: fp32 or NULL.
+/* w [out, in] bf16 -> wp [ceil(out/32)][in][32] bf16, zero padded */
+void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
+    int64_t nblk = (out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nblk; b++)
+        for (int64_t i = 0; i < in; i++)
+            for (int64_t k = 0; k < OB; k++) {
+                int64_t o = b * OB + k;
+                wp[(b * in + i) * OB + k] = o < out ? w[o * in + i] : 0;
+            }
+}
+
+/* x [n, in] bf16, wp packed by hs_pack_bf16, y [n, out] bf16, bias [out] fp32 or NULL.
    Returns 0, or -1 when out of memory. */
-int hs_linear_bf16(const uint16_t* xb, int64_t n, int64_t in, const uint16_t* w, int64_t out,
+int hs_linear_bf16(const uint16_t* xb, int64_t n, int64_t in, const uint16_t* wp, int64_t out,
                    uint16_t* y, const float* bias, int nthreads) {
-    float* x = (float*)malloc((size_t)(n * in) * sizeof(float));
-    if (!x) return -1;
-    for (int64_t k = 0; k < n * in; k++) { uint32_t u = (uint32_t)xb[k] << 16; memcpy(x + k, &u, 4); }
-    int64_t nblk = (out + BO - 1) / BO;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * BO, o1 = o0 + BO < out ? o0 + BO : out;
-        for (int64_t j0 = 0; j0 < n; j0 += 8) {
-            int64_t nn = n - j0 < 8 ? n - j0 : 8;
-            const float* xj = x + j0 * in; uint16_t* yj = y + j0 * out;
-            int64_t o = o0;
-            if (nn <= 4) for (; o + 4 <= o1; o += 4) F4[nn](xj, in, w, o, out, yj, bias);
-            for (; o + 2 <= o1; o += 2) F2[nn](xj, in, w, o, out, yj, bias);
-            for (; o < o1; o++) F1[nn](xj, in, w, o, out, yj, bias);
+    int64_t nrb = (n + NB - 1) / NB;
+    float* xt = (float*)malloc((size_t)(nrb * NB * in) * sizeof(float));
+    if (!xt) return -1;
+    /* row block r: [in][nr] fp32, nr = rows in that block */
+    for (int64_t r = 0; r < nrb; r++) {
+        int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
+        float* dst = xt + r * NB * in;
+        for (int64_t j = 0; j < nr; j++) {
+            const uint16_t* src = xb + (j0 + j) * in;
+            for (int64_t i = 0; i < in; i++) { uint32_t u = (uint32_t)src[i] << 16; memcpy(dst + i * nr + j, &u, 4); }
         }
     }
-    free(x);
+    int64_t nblk = (out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
+        const uint16_t* wb = wp + b * in * OB;
+        for (int64_t r = 0; r < nrb; r++) {
+            int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
+            MK[nr](xt + r * NB * in, in, wb, y + j0 * out, out, o0, width, bias);
+        }
+    }
+    free(xt);
+    return 0;
+}
+
+/* ---- int8 weights (per-output scale), for draft models: half the bytes of bf16 per token ----
+   wq: [ceil(out/32)][in][32] int8 (zero padded), scale: [out] fp32; y = (x @ wq^T) * scale (+ bias).
+   Same blocking and the same in-order fp32 summation as the bf16 kernel. */
+static inline __m512 ld8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#define DEF8(N) \
+static void mq_##N(const float* xt, int64_t in, const int8_t* wb, uint16_t* y, int64_t out, int64_t o0, \
+                   int64_t width, const float* scale, const float* bias) { \
+    __m512 a0[N], a1[N]; \
+    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); } \
+    for (int64_t i = 0; i < in; i++) { \
+        __m512 w0 = ld8(wb + i * OB), w1 = ld8(wb + i * OB + 16); \
+        _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512 xv = _mm512_set1_ps(xt[i * N + j]); \
+            a0[j] = _mm512_fmadd_ps(w0, xv, a0[j]); a1[j] = _mm512_fmadd_ps(w1, xv, a1[j]); } \
+    } \
+    float buf[OB]; \
+    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
+        _mm512_storeu_ps(buf, a0[j]); _mm512_storeu_ps(buf + 16, a1[j]); \
+        uint16_t* yr = y + j * out + o0; \
+        for (int64_t k = 0; k < width; k++) yr[k] = f2bf(buf[k] * scale[o0 + k] + (bias ? bias[o0 + k] : 0.0f)); } \
+}
+DEF8(1) DEF8(2) DEF8(3) DEF8(4) DEF8(5) DEF8(6) DEF8(7) DEF8(8) DEF8(9) DEF8(10) DEF8(11) DEF8(12)
+typedef void (*mqfn)(const float*, int64_t, const int8_t*, uint16_t*, int64_t, int64_t, int64_t, const float*, const float*);
+static const mqfn MQ[NB + 1] = {0, mq_1, mq_2, mq_3, mq_4, mq_5, mq_6, mq_7, mq_8, mq_9, mq_10, mq_11, mq_12};
+
+int hs_linear_i8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const float* scale, int64_t out,
+                 uint16_t* y, const float* bias, int nthreads) {
+    int64_t nrb = (n + NB - 1) / NB;
+    float* xt = (float*)malloc((size_t)(nrb * NB * in) * sizeof(float));
+    if (!xt) return -1;
+    for (int64_t r = 0; r < nrb; r++) {
+        int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
+        float* dst = xt + r * NB * in;
+        for (int64_t j = 0; j < nr; j++) {
+            const uint16_t* src = xb + (j0 + j) * in;
+            for (int64_t i = 0; i < in; i++) { uint32_t u = (uint32_t)src[i] << 16; memcpy(dst + i * nr + j, &u, 4); }
+        }
+    }
+    int64_t nblk = (out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
+        const int8_t* wb = wq + b * in * OB;
+        for (int64_t r = 0; r < nrb; r++) {
+            int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
+            MQ[nr](xt + r * NB * in, in, wb, y + j0 * out, out, o0, width, scale, bias);
+        }
+    }
+    free(xt);
     return 0;
 }
