@@ -124,6 +124,28 @@ def test_greedy_rows_equal_batch_of_one(method, tok):
         assert res.target_forwards < N_NEW  # drafts were accepted in the batch
 
 
+@pytest.mark.parametrize("method", ["pld", "draft-chain", "medusa"])
+def test_verify_budget_cuts_drafts_not_outputs(method, tok):
+    """With a budget of 8 tokens per verify forward over 4 rows, every row drafts at most 1 node, so a
+    verify forward holds at most 4 x 2 tokens; outputs stay those of batch 1."""
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()[:4]
+    gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model))
+    alone = [gen.generate(input_ids=p, max_new_tokens=N_NEW).token_ids for p in prompts]
+    spy = BatchSizes(model)
+    try:
+        res = gen.generate_batch(input_ids=prompts, max_new_tokens=N_NEW, batch_size=4, verify_budget=8)
+    finally:
+        spy.close()
+    assert [r.token_ids for r in res] == alone
+    verify_widths = [shape[1] for shape in spy.shapes[1:]]
+    assert max(verify_widths) <= 2  # pending token + at most one draft node per row
+    for r in res:
+        assert len(r.stats.accept_hist) <= 3  # at most 2 tokens per step
+    with pytest.raises(HydraspecError, match="verify_budget"):
+        gen.generate_batch(input_ids=prompts, max_new_tokens=4, verify_budget=1)
+
+
 @pytest.mark.parametrize("family,attn,seed", [("llama", "eager", 2), ("qwen2", "sdpa", 3), ("mistral", "sdpa", 4),
                                               ("gemma", "sdpa", 5)])
 def test_other_families_and_one_token_prompts(family, attn, seed, tok):

@@ -171,12 +171,19 @@ class BatchGenerator:
     trees: optional {batch_size: tree paths} for Medusa/Hydra drafters; at every step the tree of the
     largest listed batch size not above the number of active rows is used (the drafter's own tree when
     none is).
+    verify_budget: optional cap on the tokens one verify forward holds over the whole batch; each row's
+    draft is cut to max(1, verify_budget // active rows - 1) nodes (its first nodes, so still a tree).
+    On hardware where a forward's cost grows with its rows (CPUs) this keeps drafts long at batch 1
+    and short at batch 8; cutting a draft only drops candidates, the output is unchanged.
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, acceptor: str | None = None,
                  typical_epsilon: float = 0.09, typical_alpha: float = 0.3,
-                 trees: dict[int, list[list[int]]] | None = None):
+                 trees: dict[int, list[list[int]]] | None = None, verify_budget: int | None = None):
         check_supported(model)
+        if verify_budget is not None and verify_budget < 2:
+            raise HydraspecError(f"verify_budget must be at least 2 tokens, got {verify_budget}")
+        self.verify_budget = verify_budget
         self.base = SpeculativeGenerator(model, tokenizer, drafter, acceptor=acceptor,
                                          typical_epsilon=typical_epsilon, typical_alpha=typical_alpha)
         self.model, self.tokenizer = model, tokenizer
@@ -351,6 +358,7 @@ class BatchGenerator:
         while active:
             # 1. drafts, one per row, trimmed to the row's token budget
             n_active = len(active)
+            cap = None if self.verify_budget is None else max(1, self.verify_budget // n_active - 1)
             trees, shapes = [], []
             t0 = time.perf_counter()
             if bd is not None:  # draft-model chains: one draft forward per depth for every row
@@ -366,6 +374,8 @@ class BatchGenerator:
                 t0 = time.perf_counter()
                 tree = together[j] if together is not None else self._drafter_for(r, n_active).propose(r.state)
                 remaining = max_new - len(r.new)
+                if cap is not None and len(tree.tokens) > cap:
+                    tree = tree.head(cap)
                 shape = shape_of(tree.with_root())
                 if int(shape.depth[-1]) > remaining - 1:
                     tree = tree.head(int((shape.depth <= remaining - 1).sum()) - 1)
@@ -856,7 +866,8 @@ def cmd_generate_batch(args) -> int:
         draft = load_model(args.draft_model, dtype=args.dtype, device=args.device)
         quantize_draft(draft[0], getattr(args, "draft_quant", None))
     drafter = build_drafter(args, tok, draft, model)
-    bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees)
+    bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
+                        verify_budget=getattr(args, "verify_budget", None))
     res = bg.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                       stop=args.stop)

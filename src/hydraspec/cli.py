@@ -314,6 +314,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "time, one verify forward per step for the batch (--json: one object per line)")
     g.add_argument("--batch-trees", help="with --batch-size and medusa/hydra: JSON file or object "
                                          "{batch_size: tree paths}; the tree of the largest size <= active rows")
+    g.add_argument("--verify-budget", type=int, metavar="N",
+                   help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
+                        "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
     add_method_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

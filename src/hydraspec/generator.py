@@ -239,14 +239,14 @@ class SpeculativeGenerator:
             text = _trim_after_stop(text, stop_strings)
         return GenerationResult(text=text, token_ids=new, prompt_ids=ids, stats=stats, finish_reason=finish)
 
-    def generate_batch(self, prompts=None, *, trees: dict | None = None, **kwargs):
+    def generate_batch(self, prompts=None, *, trees: dict | None = None, verify_budget: int | None = None, **kwargs):
         """Decode a list of prompts together (one verify forward per step for the whole batch); see
         hydraspec.batch.BatchGenerator.generate for the arguments. Returns a BatchResult (results in
         input order)."""
         from .batch import BatchGenerator
 
         bg = BatchGenerator(self.model, self.tokenizer, self.drafter, acceptor=self.acceptor, trees=trees,
-                            typical_epsilon=self.typical["epsilon"], typical_alpha=self.typical["alpha"])
+                            verify_budget=verify_budget, typical_epsilon=self.typical["epsilon"], typical_alpha=self.typical["alpha"])
         return bg.generate(prompts, **kwargs)
 
 

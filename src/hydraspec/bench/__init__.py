@@ -67,6 +67,9 @@ def add_parser(subparsers):
                         "batch_results.json/.md and batch_throughput.png")
     p.add_argument("--batch-trees", help="with --batch-sizes, for medusa/hydra: JSON file or object "
                                          "{batch_size: tree paths} (the tree of the largest size <= active rows)")
+    p.add_argument("--verify-budget", type=int, metavar="N",
+                   help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
+                        "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
     p.set_defaults(func=_cmd)
     return p
 

@@ -119,7 +119,7 @@ def run_batch_bench(args, loader=None) -> int:
         if m != "hf-ar":
             drafter = METHODS[m].factory(ctx).gen.drafter  # the bench's own drafter settings for this method
             trees = load_batch_trees(getattr(args, "batch_trees", None)) if METHODS[m].needs_heads else None
-            gen = BatchGenerator(model, tok, drafter, trees=trees)
+            gen = BatchGenerator(model, tok, drafter, trees=trees, verify_budget=getattr(args, "verify_budget", None))
             gen.generate(input_ids=prompts[:2], max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens))
         else:
             hf_batch(model, eos, pad, prompts[:2], min(WARMUP_TOKENS, args.max_new_tokens), 0.0, None)
@@ -169,7 +169,9 @@ def run_batch_bench(args, loader=None) -> int:
     data = {"settings": {"model": args.model, "draft_model": getattr(args, "draft_model", None),
                          "heads": getattr(args, "heads", None), "methods": methods, "batch_sizes": sizes,
                          "max_new_tokens": args.max_new_tokens, "temperature": temperature, "dtype": args.dtype,
-                         "prompts": [str(p) for p in args.prompts], "limit": args.limit},
+                         "prompts": [str(p) for p in args.prompts], "limit": args.limit,
+                         "verify_budget": getattr(args, "verify_budget", None),
+                         "draft_quant": getattr(args, "draft_quant", "none")},
             "machine": machine, "rows": rows,
             "answers": {f"{m}@{bs}": a for (m, bs), a in answers.items()}}
     (out / "batch_results.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
@@ -190,12 +192,16 @@ def batch_markdown(rows, machine, n_prompts: int, max_new: int) -> str:
 
     lines = [f"# hydraspec batched bench ({n_prompts} prompts, up to {max_new} new tokens each)", "",
              machine_line(machine), "",
-             "| method | batch | tokens/s | mean latency (s) | tokens/forward | identical to ar | KV cache (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| method | batch | tokens/s | vs ar at this batch | mean latency (s) | tokens/forward | identical to ar "
+             "| KV cache (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ar_tps = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for r in rows:
         kv = None if r["cache_bytes"] is None else r["cache_bytes"] / 2**20
         ident = None if r["identical_to_ar"] is None else 100 * r["identical_to_ar"]
-        lines.append(f"| {r['method']} | {r['batch_size']} | {f(r['tokens_per_s'])} | {f(r['mean_latency_s'])} | "
+        base = ar_tps.get(r["batch_size"])
+        rel = f"{r['tokens_per_s'] / base:.2f}x" if base and r["tokens_per_s"] else "-"
+        lines.append(f"| {r['method']} | {r['batch_size']} | {f(r['tokens_per_s'])} | {rel} | {f(r['mean_latency_s'])} | "
                      f"{f(r['mean_accepted'])} | {'-' if ident is None else f'{ident:.0f} %'} | {f(kv, 1)} |")
     return "\n".join(lines) + "\n"
 
