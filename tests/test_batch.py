@@ -72,7 +72,7 @@ class BatchSizes:
     """Records the batch dimension of every target forward."""
 
     def __init__(self, model):
-        self.sizes, self.shapes, self.verify = [], [], []
+        self.sizes, self.shapes, self.verify, self.verify_shapes, self.prefill_shapes = [], [], [], [], []
         self.h = model.register_forward_pre_hook(self, with_kwargs=True)
 
     def __call__(self, module, args, kwargs):
@@ -80,6 +80,9 @@ class BatchSizes:
         self.shapes.append(tuple(kwargs["input_ids"].shape))
         if kwargs.get("logits_to_keep") != 1:  # the batch engine prefills with logits_to_keep=1
             self.verify.append(int(kwargs["input_ids"].shape[0]))
+            self.verify_shapes.append(tuple(kwargs["input_ids"].shape))
+        else:
+            self.prefill_shapes.append(tuple(kwargs["input_ids"].shape))
 
     def close(self):
         self.h.remove()
@@ -114,9 +117,11 @@ def test_greedy_rows_equal_batch_of_one(method, tok):
         check_row_stats(r)
         # the same drafts as alone (drafter state kept per row), so the same acceptance, step by step
         assert r.stats.accept_hist == alone_res[i].stats.accept_hist, (method, i)
-    # one prefill and then one forward per step for the whole batch
-    assert spy.sizes[0] == len(prompts) and spy.sizes[1] == len(prompts)
-    assert res.target_forwards == len(spy.sizes) - 1
+    # one exact-length prefill per prompt (none for a one-token prompt), then one forward per step for the
+    # whole batch
+    assert sorted(spy.prefill_shapes) == sorted((1, len(p) - 1) for p in prompts if len(p) > 1)
+    assert spy.verify[0] == len(prompts)
+    assert res.target_forwards == len(spy.verify)
     assert res.target_forwards == max(r.stats.target_forwards for r in res)
     if method == "ar":
         assert res.target_forwards == N_NEW
@@ -138,7 +143,7 @@ def test_verify_budget_cuts_drafts_not_outputs(method, tok):
     finally:
         spy.close()
     assert [r.token_ids for r in res] == alone
-    verify_widths = [shape[1] for shape in spy.shapes[1:]]
+    verify_widths = [shape[1] for shape in spy.verify_shapes]
     assert max(verify_widths) <= 2  # pending token + at most one draft node per row
     for r in res:
         assert len(r.stats.accept_hist) <= 3  # at most 2 tokens per step
@@ -184,8 +189,8 @@ def test_rows_finish_at_different_times(method, tok):
         check_row_stats(r, cut_by_eos=True)
     # 3 rows at a time; when a row finishes a waiting prompt is prefilled into its place while the others
     # go on, and every verify forward runs exactly over the rows still decoding: finished rows cost nothing
-    assert spy.sizes[0] == 3 and max(spy.sizes) == 3 and res.batches >= 2
-    assert (1, 1) in spy.shapes[1:]  # the 2-token prompt's prefill, admitted mid-run
+    assert spy.verify[0] == 3 and max(spy.sizes) == 3 and res.batches >= 2
+    assert (1, 1) in spy.shapes  # the 2-token prompt's prefill, admitted mid-run
     assert sum(spy.verify) == sum(r.stats.target_forwards for r in res)
     assert res.target_forwards == len(spy.verify)
     # all five at once: the batch shrinks as rows finish
@@ -232,10 +237,11 @@ def test_text_prompts_and_tree_per_batch_size(tok):
         spy.close()
     assert [r.token_ids for r in res] == alone
     # 3 active rows verify the one-node tree (pending token + 1 node), fewer rows the big tree
-    n_first = res.target_forwards + 1  # prefill + verify forwards of the 3-prompt call
-    assert all(s[1] <= 2 for s in spy.shapes[1:n_first] if s[0] == 3)
-    assert any(s[0] == 3 for s in spy.shapes[1:n_first])
-    assert spy.shapes[n_first][0] == 2 and spy.shapes[n_first + 1] == (2, len(TREE) + 1), spy.shapes
+    n_first = res.target_forwards  # verify forwards of the 3-prompt call
+    vs = spy.verify_shapes
+    assert all(s[1] <= 2 for s in vs[:n_first] if s[0] == 3)
+    assert any(s[0] == 3 for s in vs[:n_first])
+    assert vs[n_first] == (2, len(TREE) + 1), vs
     with pytest.raises(HydraspecError, match="head"):
         BatchGenerator(model, tok, make_drafter("pld"), trees={2: small})
     # token ids, text and message lists mix in one call; bad calls are refused with a clear error

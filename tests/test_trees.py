@@ -17,7 +17,7 @@ from hydraspec.drafters.dynamic import DynamicDraftModelDrafter, DynamicHeadDraf
 from hydraspec.drafters.heads import HeadDrafter
 from hydraspec.heads import build_heads
 from hydraspec.sampling import Sampling
-from hydraspec.tree import load_tree_spec, shape_of
+from hydraspec.tree import bfs_paths, load_tree_spec, shape_of
 from hydraspec.treebuild import (
     Calibration,
     acceptance_table,
@@ -205,6 +205,35 @@ def test_build_tree_measures_and_picks_the_fastest(tok):
     assert len(measured) == 2
     assert res["nodes"] == max(measured, key=lambda r: r["measured_tokens_per_s"])["nodes"]
     assert len(res["paths"]) == res["nodes"] and res["drafter"]["kind"] == "draft"
+
+
+def test_build_tree_per_batch_size_feeds_batch_trees(tok, tmp_path):
+    """--batch-sizes: a tree per batch size, chosen by B x expected tokens / (verify at B rows + draft);
+    the tree.json's by_batch is what --batch-trees reads."""
+    from hydraspec.batch import load_batch_trees
+    from hydraspec.treebuild import time_batch_verify
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    draft = tiny.noisy_copy(model, 0.1)
+    res = build_tree(model, tok, prompt_ids=[PROMPT], prompt_names=["p"], max_nodes=5, method="simulate",
+                     select="measure", draft_model=draft, depth=3, max_new_tokens=12, confirm=1, reps=1,
+                     batch_sizes=[1, 4], log=lambda m: None)
+    assert set(res["by_batch"]) == {"1", "4"} and res["by_batch"]["1"] == res["paths"]
+    n4 = res["by_batch_nodes"]["4"]
+    assert res["by_batch"]["4"] == bfs_paths(res["order"][:n4])
+    for r in res["sizes"]:
+        b4 = r["by_batch"]["4"]
+        assert b4["verify_s"] > 0
+        assert b4["predicted_tokens_per_s"] == pytest.approx(
+            4 * r["expected_tokens_per_step"] / (b4["verify_s"] + r["draft_s"]), rel=1e-3)
+    best4 = max(res["sizes"], key=lambda r: r["by_batch"]["4"]["predicted_tokens_per_s"])
+    assert best4["nodes"] == n4
+    f = tmp_path / "tree.json"
+    f.write_text(json.dumps(res))
+    assert load_batch_trees(str(f)) == {1: res["paths"], 4: res["by_batch"]["4"]}
+    # the batch timing runs B rows of a tree forward (and leaves the cache as it found it)
+    t = time_batch_verify(model, res["order"], PROMPT * 3, len(PROMPT), [1, 3], 2, reps=1)
+    assert set(t) == {1, 3} and all(v > 0 for v in t.values())
 
 
 # ---- dynamic trees --------------------------------------------------------------------------------------

@@ -701,39 +701,32 @@ def _use_rows(cache, start: int, stop: int) -> None:
 @torch.inference_mode()
 def _prefill(model, cache, first: int, rows: list[_Row], need_hidden: bool, draft: bool = False) -> None:
     """Write every new row's prompt but its last token into cache rows [first, first + len(rows)), slots
-    [0, len - 1) (right-padded, causal within each row); sets row.length (target) and the hidden state
-    of the last prefilled token when asked."""
+    [0, len - 1); sets row.length (target) and the hidden state of the last prefilled token when asked.
+    Each row is prefilled by its own forward over exactly its prompt: a prefill is compute-bound, and
+    one right-padded [B, longest] forward spent a third of its time on padding for HumanEval prompts."""
     lens = [len(r.ids) - 1 for r in rows]
     if not draft:
         for r, n in zip(rows, lens):
             r.length = n
-    P = max(lens)
-    if P == 0:
+    if max(lens) == 0:
         return
     dev = model.device
-    B = len(rows)
-    x = torch.zeros(B, P, dtype=torch.long)
-    for b, r in enumerate(rows):
-        x[b, :lens[b]] = torch.tensor(r.ids[:-1])
-    q = torch.arange(P)
-    causal = q[None, :] <= q[:, None]  # [P, P]
-    valid = q[None, :] < torch.tensor(lens)[:, None]  # [B, P] keys of the row's prompt
-    allowed = causal[None] & (valid[:, None, :] | torch.eye(P, dtype=torch.bool)[None])
     saved = [layer.length for layer in cache.layers]
-    _use_rows(cache, first, first + B)
-    for layer in cache.layers:
-        layer.length = 0
-    out = model(input_ids=x.to(dev), position_ids=q[None].expand(B, P).to(dev),
-                attention_mask=_additive(allowed, model.dtype, dev), past_key_values=cache, use_cache=True,
-                output_hidden_states=need_hidden, logits_to_keep=1)
+    for b, (r, n) in enumerate(zip(rows, lens)):
+        if n == 0:
+            continue
+        _use_rows(cache, first + b, first + b + 1)
+        for layer in cache.layers:
+            layer.length = 0
+        out = model(input_ids=torch.tensor([r.ids[:-1]], device=dev), position_ids=torch.arange(n, device=dev)[None],
+                    past_key_values=cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
+        if need_hidden:
+            h = out.hidden_states[-1][0]
+            r.state.hidden = h[n - 1]
+            r.state.new_hidden = h[:n]
+    _use_rows(cache, first, first + len(rows))
     for layer, n in zip(cache.layers, saved):
         layer.length = n
-    if need_hidden:
-        h = out.hidden_states[-1]
-        for b, r in enumerate(rows):
-            if lens[b] > 0:
-                r.state.hidden = h[b, lens[b] - 1]
-                r.state.new_hidden = h[b, :lens[b]]
 
 
 def _is_ids(p) -> bool:
@@ -828,8 +821,11 @@ def load_batch_trees(text: str | None) -> dict[int, list[list[int]]] | None:
         data = json.loads(Path(text).read_text()) if Path(text).exists() else json.loads(text)
     except json.JSONDecodeError as e:
         raise HydraspecError(f"--batch-trees {text!r} is neither a JSON file nor JSON: {e}") from None
+    if isinstance(data, dict) and isinstance(data.get("by_batch"), dict):  # a tree.json of build-tree --batch-sizes
+        data = data["by_batch"]
     if not isinstance(data, dict) or not data:
-        raise HydraspecError("--batch-trees takes a JSON object {batch_size: [[0], [0, 0], ...], ...}")
+        raise HydraspecError("--batch-trees takes a JSON object {batch_size: [[0], [0, 0], ...], ...} "
+                             "or a tree.json written by build-tree --batch-sizes")
     try:
         return {int(k): v for k, v in data.items()}
     except ValueError:

@@ -240,6 +240,18 @@ def cmd_train_heads(args) -> int:
     return 0
 
 
+def _batch_sizes(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HydraspecError(f"--batch-sizes takes comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise HydraspecError(f"--batch-sizes must be positive integers, got {text!r}")
+    return sizes
+
+
 def cmd_build_tree(args) -> int:
     import torch
 
@@ -275,7 +287,7 @@ def cmd_build_tree(args) -> int:
     result = build_tree(model, tok, prompt_ids=prompt_ids, prompt_names=names, max_nodes=args.max_nodes,
                         method=args.method, select=args.select, heads=heads, draft_model=draft,
                         depth=args.max_depth, max_rank=args.max_rank, max_new_tokens=args.max_new_tokens,
-                        confirm=args.confirm, reps=args.reps, log=log)
+                        confirm=args.confirm, reps=args.reps, batch_sizes=_batch_sizes(args.batch_sizes), log=log)
     result["model"] = args.model
     result["drafter"]["source"] = args.heads or args.draft_model
     result["calibration"]["files"] = [str(p) for p in args.prompts]
@@ -380,6 +392,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-rank", type=int, default=10, help="most children per node considered (default 10)")
     b.add_argument("--confirm", type=int, default=3, help="trees confirmed by end-to-end generation (default 3)")
     b.add_argument("--reps", type=int, default=5, help="timed repetitions per sampled tree size (default 5)")
+    b.add_argument("--batch-sizes", metavar="1,2,4,...",
+                   help="with --select measure: also time verify steps of B rows and choose a tree per batch "
+                        "size (tree.json by_batch; pass the file to --batch-trees)")
     b.set_defaults(func=cmd_build_tree)
 
     d = sub.add_parser("demo", help="the default model answering with and without speculation")

@@ -334,6 +334,40 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
     return out
 
 
+@torch.inference_mode()
+def time_batch_verify(model, order: list[list[int]], seq: list[int], plen: int, sizes: list[int], batch: int,
+                      reps: int = 3) -> dict[int, float]:
+    """{n: seconds}: the median of `reps` verify forwards of `batch` rows, each holding the pending token
+    and T_n under its tree mask after the same calibration prefix (what one step of the batched engine
+    costs when every row drafts T_n)."""
+    from .cache import new_cache
+    from .verify import tree_mask
+
+    dev = model.device
+    prefix = seq[: max(plen, 2)]
+    L = len(prefix) - 1
+    cache = new_cache(model, L + max(sizes) + 2)
+    rows = torch.tensor([prefix[:-1]] * batch, device=dev)
+    model(input_ids=rows, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = {}
+    for n in sizes:
+        parents, _ = parents_from_paths(bfs_paths(order[:n]))
+        shape = shape_of((-1,) + tuple(p + 1 for p in parents))
+        ids = torch.tensor([[prefix[-1]] + [seq[(L + 1 + i) % len(seq)] for i in range(n)]] * batch, device=dev)
+        positions = (L + shape.depth).to(dev)[None].expand(batch, -1)
+        mask = None if shape.is_chain else tree_mask(L, shape.ancestors, model.dtype, dev).expand(batch, -1, -1, -1)
+        times = []
+        for _ in range(reps + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+            cache.crop(L)
+        out[n] = float(np.median(times[1:]))
+    return out
+
+
 def measure_throughput(model, tokenizer, drafter, prompt_ids: list[list[int]], max_new_tokens: int) -> float:
     """End-to-end tokens/s of greedy generation over the calibration prompts (after one warm-up)."""
     from .generator import SpeculativeGenerator
@@ -358,9 +392,12 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                method: str = "simulate", select: str = "measure", heads=None, draft_model=None,
                depth: int | None = None,
                max_rank: int = 10, max_new_tokens: int = 128, confirm: int = 3, reps: int = 5, preselect: int = 8,
-               log=print) -> dict:
+               batch_sizes: list[int] | None = None, log=print) -> dict:
     """Build a tree for `heads` (Medusa / Hydra) or `draft_model` (its top-k tree); returns the tree.json
-    dict. prompt_names are recorded as the calibration prompts used."""
+    dict. prompt_names are recorded as the calibration prompts used. With select="measure" and
+    `batch_sizes`, the verify step is also timed with B rows for every B > 1 and a tree is chosen per
+    batch size by predicted tokens/s = B x expected tokens per step / (verify_B + draft time at batch 1);
+    the result's "by_batch" holds them ({B: paths}, read by --batch-trees)."""
     if (heads is None) == (draft_model is None):
         raise HydraspecError("build-tree needs exactly one drafter: heads or a draft model")
     if method not in ("medusa", "simulate"):
@@ -413,6 +450,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
               "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
               "measured_tokens_per_s": None} for n in range(1, N + 1)]
     best = N
+    by_batch: dict[str, int] = {}
     if select == "measure":
         sample = sample_sizes(N)
         seq, plen = max(seqs, key=lambda x: len(x[0]))
@@ -432,6 +470,21 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
             log(f"  T{row['nodes']}: predicted {row['predicted_tokens_per_s']:.2f} tokens/s, measured "
                 f"{row['measured_tokens_per_s']:.2f}")
         best = max(ranked, key=lambda r: r["measured_tokens_per_s"])["nodes"]
+        for B in sorted({int(b) for b in batch_sizes or []} - {1}):
+            if B < 1:
+                raise HydraspecError(f"batch sizes must be positive, got {B}")
+            vb = time_batch_verify(model, order, seq, plen, sample, B, reps=max(1, reps // 2))
+            vbs = [vb[n] for n in sample]
+            for row in sizes:
+                n = row["nodes"]
+                v = interpolate(sample, vbs, n)
+                row.setdefault("by_batch", {})[str(B)] = {
+                    "verify_s": round(v, 6),
+                    "predicted_tokens_per_s": round(B * row["expected_tokens_per_step"] / (v + row["draft_s"]), 4)}
+            pick = max(sizes, key=lambda r: r["by_batch"][str(B)]["predicted_tokens_per_s"])
+            by_batch[str(B)] = pick["nodes"]
+            log(f"  batch {B}: T{pick['nodes']} predicted {pick['by_batch'][str(B)]['predicted_tokens_per_s']:.2f} "
+                f"tokens/s over the batch")
     winner = bfs_paths(order[:best])
     return {
         "format": TREE_FORMAT, "version": 1,
@@ -447,6 +500,8 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
         "acceptance": [[round(float(x), 5) for x in row] for row in a],
         "sizes": sizes,
         "measured_on": machine_info(model),
+        **({"by_batch": {"1": winner, **{b: bfs_paths(order[:n]) for b, n in by_batch.items()}},
+            "by_batch_nodes": {"1": best, **by_batch}} if by_batch else {}),
         "calibration": {"prompts": list(prompt_names), "sequences": len(seqs), "positions": cal.positions,
                         "max_new_tokens": max_new_tokens},
     }
