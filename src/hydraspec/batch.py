@@ -708,8 +708,6 @@ def _prefill(model, cache, first: int, rows: list[_Row], need_hidden: bool, draf
     if not draft:
         for r, n in zip(rows, lens):
             r.length = n
-    if max(lens) == 0:
-        return
     dev = model.device
     saved = [layer.length for layer in cache.layers]
     for b, (r, n) in enumerate(zip(rows, lens)):
@@ -724,8 +722,7 @@ def _prefill(model, cache, first: int, rows: list[_Row], need_hidden: bool, draf
             h = out.hidden_states[-1][0]
             r.state.hidden = h[n - 1]
             r.state.new_hidden = h[:n]
-    _use_rows(cache, first, first + len(rows))
-    for layer, n in zip(cache.layers, saved):
+    for layer, n in zip(cache.layers, saved):  # the caller selects the rows to use next
         layer.length = n
 
 
@@ -835,7 +832,7 @@ def load_batch_trees(text: str | None) -> dict[int, list[list[int]]] | None:
 def cmd_generate_batch(args) -> int:
     """`hydraspec generate --prompt-file FILE --batch-size B`: every prompt of the file, B at a time."""
     from .cli import build_drafter
-    from .models import load_model
+    from .models import load_draft_model, load_model
 
     if args.batch_size < 1:
         raise HydraspecError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -855,12 +852,8 @@ def cmd_generate_batch(args) -> int:
     trees = load_batch_trees(getattr(args, "batch_trees", None))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    draft = None
-    if args.method == "draft":
-        from .models import quantize_draft
-
-        draft = load_model(args.draft_model, dtype=args.dtype, device=args.device)
-        quantize_draft(draft[0], getattr(args, "draft_quant", None))
+    draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None)) \
+        if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))

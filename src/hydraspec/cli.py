@@ -28,12 +28,22 @@ def add_model_args(p) -> None:
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.kernels)")
 
 
-def add_method_args(p) -> None:
-    p.add_argument("--draft-model", help="smaller model with the same tokenizer (method 'draft')")
-    p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+def add_draft_quant_arg(p) -> None:
     p.add_argument("--draft-quant", choices=["none", "int8"], default="none",
                    help="hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads; "
                         "the output stays the target's)")
+
+
+def add_verify_budget_arg(p) -> None:
+    p.add_argument("--verify-budget", type=int, metavar="N",
+                   help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
+                        "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
+
+
+def add_method_args(p) -> None:
+    p.add_argument("--draft-model", help="smaller model with the same tokenizer (method 'draft')")
+    p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+    add_draft_quant_arg(p)
     p.add_argument("--no-dynamic", action="store_true", help="keep the draft length fixed at --draft-k")
     p.add_argument("--draft-tree", help="draft a tree instead of a chain: children per depth, e.g. 2,2,1")
     p.add_argument("--draft-confidence", type=float, default=0.4,
@@ -125,7 +135,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .generator import SpeculativeGenerator
-    from .models import load_model, quantize_draft
+    from .models import load_draft_model, load_model
 
     if args.max_new_tokens <= 0:
         raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
@@ -153,10 +163,8 @@ def cmd_generate(args) -> int:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    draft = None
-    if args.method == "draft":
-        draft = load_model(args.draft_model, dtype=args.dtype, device=args.device)
-        quantize_draft(draft[0], args.draft_quant)
+    draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant) \
+        if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     streamer = None
@@ -240,21 +248,10 @@ def cmd_train_heads(args) -> int:
     return 0
 
 
-def _batch_sizes(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise HydraspecError(f"--batch-sizes takes comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise HydraspecError(f"--batch-sizes must be positive integers, got {text!r}")
-    return sizes
-
-
 def cmd_build_tree(args) -> int:
     import torch
 
+    from .bench.batched import parse_batch_sizes
     from .bench.prompts import load_questions
     from .generator import SpeculativeGenerator
     from .models import load_model
@@ -287,7 +284,8 @@ def cmd_build_tree(args) -> int:
     result = build_tree(model, tok, prompt_ids=prompt_ids, prompt_names=names, max_nodes=args.max_nodes,
                         method=args.method, select=args.select, heads=heads, draft_model=draft,
                         depth=args.max_depth, max_rank=args.max_rank, max_new_tokens=args.max_new_tokens,
-                        confirm=args.confirm, reps=args.reps, batch_sizes=_batch_sizes(args.batch_sizes), log=log)
+                        confirm=args.confirm, reps=args.reps, log=log,
+                        batch_sizes=parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None)
     result["model"] = args.model
     result["drafter"]["source"] = args.heads or args.draft_model
     result["calibration"]["files"] = [str(p) for p in args.prompts]
@@ -326,9 +324,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "time, one verify forward per step for the batch (--json: one object per line)")
     g.add_argument("--batch-trees", help="with --batch-size and medusa/hydra: JSON file or object "
                                          "{batch_size: tree paths}; the tree of the largest size <= active rows")
-    g.add_argument("--verify-budget", type=int, metavar="N",
-                   help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
-                        "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
+    add_verify_budget_arg(g)
     add_method_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

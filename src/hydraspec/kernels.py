@@ -106,14 +106,21 @@ def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Ten
     """y = x2 @ weight.T (+ bias) with the native kernel; x2 [rows, in] and weight [out, in] bf16,
     bias32 fp32 or None, `packed` = pack_bf16(weight) when the caller keeps one; returns bf16
     [rows, out] (fp32 accumulation, rounded once)."""
-    x2 = x2.contiguous()
     if packed is None:
         packed = pack_bf16(weight)
-    y = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    if native_lib().hs_linear_bf16(x2.data_ptr(), x2.shape[0], x2.shape[1], packed.data_ptr(), weight.shape[0],
-                                   y.data_ptr(), None if bias32 is None else bias32.data_ptr(),
-                                   torch.get_num_threads()):
-        raise MemoryError("hydraspec bf16 kernel: out of memory")
+    return _native_call(native_lib().hs_linear_bf16, x2, packed, None, weight.shape[0], bias32)
+
+
+def _native_call(fn, x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, out: int,
+                 bias32: torch.Tensor | None) -> torch.Tensor:
+    """Run one of the kernel's entry points (hs_linear_bf16 / hs_linear_i8) on bf16 rows x2 [rows, in]."""
+    x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], out, dtype=torch.bfloat16)
+    args = [x2.data_ptr(), x2.shape[0], x2.shape[1], packed.data_ptr()]
+    if scale is not None:
+        args.append(scale.data_ptr())
+    if fn(*args, out, y.data_ptr(), None if bias32 is None else bias32.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("hydraspec CPU kernel: out of memory")
     return y
 
 
@@ -176,7 +183,6 @@ class Int8Linear(nn.Module):
             self.register_buffer("qweight", qp.view(-1, PACK_BLOCK, self.in_features).transpose(1, 2).contiguous())
             self.register_buffer("scale", scale.contiguous())
             self.register_buffer("bias32", None if lin.bias is None else lin.bias.detach().float().contiguous())
-        self.out_dtype = lin.weight.dtype
 
     def dequantized(self) -> torch.Tensor:
         q = self.qweight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
@@ -185,12 +191,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = native_lib()
         if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            x2 = x.reshape(-1, self.in_features).contiguous()
-            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
-            if lib.hs_linear_i8(x2.data_ptr(), x2.shape[0], self.in_features, self.qweight.data_ptr(),
-                                self.scale.data_ptr(), self.out_features, y.data_ptr(),
-                                None if self.bias32 is None else self.bias32.data_ptr(), torch.get_num_threads()):
-                raise MemoryError("hydraspec int8 kernel: out of memory")
+            y = _native_call(lib.hs_linear_i8, x.reshape(-1, self.in_features), self.qweight, self.scale,
+                             self.out_features, self.bias32)
             return y.view(*x.shape[:-1], self.out_features)
         y = nn.functional.linear(x.float(), self.dequantized(), self.bias32)
         return y.to(x.dtype)

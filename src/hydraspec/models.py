@@ -690,6 +690,14 @@ def quantize_draft(model, how: str | None):
     return model
 
 
+def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None):
+    """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
+    and quantise it as asked (:func:`quantize_draft`); returns ``(model, tokenizer)``."""
+    model, tok = (loader or load_model)(name, dtype=dtype, device=device)
+    quantize_draft(model, quant)
+    return model, tok
+
+
 def load_model(
     name_or_path: str,
     dtype: str = "bfloat16",

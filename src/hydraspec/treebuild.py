@@ -283,6 +283,17 @@ def interpolate(sizes: list[int], values: list[float], n: int) -> float:
     return float(np.interp(n, sizes, values))
 
 
+def _verify_inputs(order: list[list[int]], n: int, prefix: list[int], seq: list[int]):
+    """Tree T_n as one verify step after `prefix` would see it: (paths, shape with the pending token as
+    root, token ids [pending + n nodes] taken from `seq`, positions)."""
+    L = len(prefix) - 1
+    paths = bfs_paths(order[:n])
+    parents, _ = parents_from_paths(paths)
+    shape = shape_of((-1,) + tuple(p + 1 for p in parents))
+    ids = [prefix[-1]] + [seq[(L + 1 + i) % len(seq)] for i in range(n)]
+    return paths, shape, ids, L + shape.depth
+
+
 @torch.inference_mode()
 def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, sizes: list[int],
                reps: int = 5, want_hidden: bool = True) -> dict[int, tuple[float, float]]:
@@ -302,11 +313,8 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
     hidden = hid[-1]
     out = {}
     for n in sizes:
-        paths = bfs_paths(order[:n])
-        parents, _ = parents_from_paths(paths)
-        shape = shape_of((-1,) + tuple(p + 1 for p in parents))
-        ids = torch.tensor([prefix[-1]] + [seq[(L + 1 + i) % len(seq)] for i in range(n)], device=dev)
-        positions = (L + shape.depth).to(dev)
+        paths, shape, ids, positions = _verify_inputs(order, n, prefix, seq)
+        ids, positions = torch.tensor(ids, device=dev), positions.to(dev)
         anc = None if shape.is_chain else shape.ancestors
         times = []
         for _ in range(reps + 1):
@@ -351,10 +359,9 @@ def time_batch_verify(model, order: list[list[int]], seq: list[int], plen: int, 
     model(input_ids=rows, past_key_values=cache, use_cache=True, logits_to_keep=1)
     out = {}
     for n in sizes:
-        parents, _ = parents_from_paths(bfs_paths(order[:n]))
-        shape = shape_of((-1,) + tuple(p + 1 for p in parents))
-        ids = torch.tensor([[prefix[-1]] + [seq[(L + 1 + i) % len(seq)] for i in range(n)]] * batch, device=dev)
-        positions = (L + shape.depth).to(dev)[None].expand(batch, -1)
+        _, shape, ids, positions = _verify_inputs(order, n, prefix, seq)
+        ids = torch.tensor([ids] * batch, device=dev)
+        positions = positions.to(dev)[None].expand(batch, -1)
         mask = None if shape.is_chain else tree_mask(L, shape.ancestors, model.dtype, dev).expand(batch, -1, -1, -1)
         times = []
         for _ in range(reps + 1):
@@ -500,8 +507,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
         "acceptance": [[round(float(x), 5) for x in row] for row in a],
         "sizes": sizes,
         "measured_on": machine_info(model),
-        **({"by_batch": {"1": winner, **{b: bfs_paths(order[:n]) for b, n in by_batch.items()}},
-            "by_batch_nodes": {"1": best, **by_batch}} if by_batch else {}),
+        **({"by_batch": {"1": winner, **{b: bfs_paths(order[:n]) for b, n in by_batch.items()}}} if by_batch else {}),
         "calibration": {"prompts": list(prompt_names), "sequences": len(seqs), "positions": cal.positions,
                         "max_new_tokens": max_new_tokens},
     }

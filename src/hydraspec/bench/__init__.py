@@ -22,6 +22,8 @@ def _cmd(args) -> int:
 
 def add_parser(subparsers):
     """Register `bench` on an argparse subparsers object; sets `func` so that `args.func(args)` runs it."""
+    from ..cli import add_draft_quant_arg, add_verify_budget_arg
+
     known = ", ".join(METHODS)
     p = subparsers.add_parser(
         "bench", help="benchmark decoding methods on prompt files",
@@ -57,8 +59,7 @@ def add_parser(subparsers):
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory: records.jsonl, results.json, results.md, speedup.png, answers/")
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
-    p.add_argument("--draft-quant", choices=["none", "int8"], default="none",
-                   help="hold the draft model's weights as int8 (CPU), for draft and hf-assisted alike")
+    add_draft_quant_arg(p)  # for draft and hf-assisted alike
     p.add_argument("--pld-tokens", type=int, default=10,
                    help="most tokens prompt lookup proposes, ours and transformers' (default 10)")
     p.add_argument("--batch-sizes", metavar="1,2,4,...",
@@ -67,9 +68,7 @@ def add_parser(subparsers):
                         "batch_results.json/.md and batch_throughput.png")
     p.add_argument("--batch-trees", help="with --batch-sizes, for medusa/hydra: JSON file or object "
                                          "{batch_size: tree paths} (the tree of the largest size <= active rows)")
-    p.add_argument("--verify-budget", type=int, metavar="N",
-                   help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
-                        "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
+    add_verify_budget_arg(p)
     p.set_defaults(func=_cmd)
     return p
 

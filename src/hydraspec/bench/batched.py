@@ -93,12 +93,11 @@ def run_batch_bench(args, loader=None) -> int:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     load = loader or _default_loader
     model, tok = load(args.model, dtype=args.dtype, device=args.device)
-    draft = load(args.draft_model, dtype=args.dtype, device=args.device) if any(
-        METHODS[m].needs_draft for m in methods) else None
-    if draft is not None:
-        from ..models import quantize_draft
+    draft = None
+    if any(METHODS[m].needs_draft for m in methods):
+        from ..models import load_draft_model
 
-        quantize_draft(draft[0], getattr(args, "draft_quant", None))
+        draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None), load)
     from ..batch import BatchGenerator, load_batch_trees
     from ..generator import SpeculativeGenerator, eos_ids
 

@@ -100,10 +100,10 @@ def run_bench(args, loader=None) -> int:
         working = list(dict.fromkeys(m for _, ms in pending for m in ms))
         draft = None
         if any(METHODS[m].needs_draft for m in working):
-            draft = load(args.draft_model, dtype=args.dtype, device=args.device)
-            from ..models import quantize_draft
+            from ..models import load_draft_model
 
-            quantize_draft(draft[0], getattr(args, "draft_quant", None))
+            draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
+                                     load)
         from ..generator import SpeculativeGenerator, eos_ids
 
         ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),

@@ -28,18 +28,24 @@ static inline uint16_t f2bf(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-static inline __m512 ldbf(const uint16_t* p) {
+static inline __m512 ldbf(const void* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+static inline __m512 ld8(const void* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 
-/* xt: [in][N] fp32 (row block transposed), wb: [in][32] bf16 (one packed block), y rows of length `out` */
-#define DEF(N) \
-static void mk_##N(const float* xt, int64_t in, const uint16_t* wb, uint16_t* y, int64_t out, int64_t o0, \
-                   int64_t width, const float* bias) { \
+/* One pass: rows [0, N) of a row block x all 32 outputs of one packed weight block.
+   xt: [in][N] fp32 (the row block transposed); wb: [in][32] weights of type T, widened by LOAD;
+   y rows of length `out`; each output is scaled by scale[o] (int8 weights) or not (scale NULL). */
+#define DEF(NAME, T, LOAD, N) \
+static void NAME##_##N(const float* xt, int64_t in, const void* wv, uint16_t* y, int64_t out, int64_t o0, \
+                       int64_t width, const float* scale, const float* bias) { \
+    const T* wb = (const T*)wv; \
     __m512 a0[N], a1[N]; \
     _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); } \
     for (int64_t i = 0; i < in; i++) { \
-        __m512 w0 = ldbf(wb + i * OB), w1 = ldbf(wb + i * OB + 16); \
+        __m512 w0 = LOAD(wb + i * OB), w1 = LOAD(wb + i * OB + 16); \
         _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512 xv = _mm512_set1_ps(xt[i * N + j]); \
             a0[j] = _mm512_fmadd_ps(w0, xv, a0[j]); a1[j] = _mm512_fmadd_ps(w1, xv, a1[j]); } \
     } \
@@ -47,11 +53,20 @@ static void mk_##N(const float* xt, int64_t in, const uint16_t* wb, uint16_t* y,
     _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
         _mm512_storeu_ps(buf, a0[j]); _mm512_storeu_ps(buf + 16, a1[j]); \
         uint16_t* yr = y + j * out + o0; \
-        for (int64_t k = 0; k < width; k++) yr[k] = f2bf(buf[k] + (bias ? bias[o0 + k] : 0.0f)); } \
+        for (int64_t k = 0; k < width; k++) { \
+            float v = scale ? buf[k] * scale[o0 + k] : buf[k]; \
+            yr[k] = f2bf(v + (bias ? bias[o0 + k] : 0.0f)); } } \
 }
-DEF(1) DEF(2) DEF(3) DEF(4) DEF(5) DEF(6) DEF(7) DEF(8) DEF(9) DEF(10) DEF(11) DEF(12)
-typedef void (*mkfn)(const float*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, const float*);
+#define DEFALL(NAME, T, LOAD) \
+    DEF(NAME, T, LOAD, 1) DEF(NAME, T, LOAD, 2) DEF(NAME, T, LOAD, 3) DEF(NAME, T, LOAD, 4) \
+    DEF(NAME, T, LOAD, 5) DEF(NAME, T, LOAD, 6) DEF(NAME, T, LOAD, 7) DEF(NAME, T, LOAD, 8) \
+    DEF(NAME, T, LOAD, 9) DEF(NAME, T, LOAD, 10) DEF(NAME, T, LOAD, 11) DEF(NAME, T, LOAD, 12)
+DEFALL(mk, uint16_t, ldbf)
+DEFALL(mq, int8_t, ld8)
+typedef void (*mkfn)(const float*, int64_t, const void*, uint16_t*, int64_t, int64_t, int64_t, const float*,
+                     const float*);
 static const mkfn MK[NB + 1] = {0, mk_1, mk_2, mk_3, mk_4, mk_5, mk_6, mk_7, mk_8, mk_9, mk_10, mk_11, mk_12};
+static const mkfn MQ[NB + 1] = {0, mq_1, mq_2, mq_3, mq_4, mq_5, mq_6, mq_7, mq_8, mq_9, mq_10, mq_11, mq_12};
 
 /* w [out, in] bf16 -> wp [ceil(out/32)][in][32] bf16, zero padded */
 void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
@@ -65,10 +80,9 @@ void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
             }
 }
 
-/* x [n, in] bf16, wp packed by hs_pack_bf16, y [n, out] bf16, bias [out] fp32 or NULL.
-   Returns 0, or -1 when out of memory. */
-int hs_linear_bf16(const uint16_t* xb, int64_t n, int64_t in, const uint16_t* wp, int64_t out,
-                   uint16_t* y, const float* bias, int nthreads) {
+/* x [n, in] bf16 times packed weights wp ([ceil(out/32)][in][32], element size esize) -> y [n, out] bf16 */
+static int run(const mkfn* kern, size_t esize, const uint16_t* xb, int64_t n, int64_t in, const void* wp,
+               const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
     int64_t nrb = (n + NB - 1) / NB;
     float* xt = (float*)malloc((size_t)(nrb * NB * in) * sizeof(float));
     if (!xt) return -1;
@@ -85,65 +99,26 @@ int hs_linear_bf16(const uint16_t* xb, int64_t n, int64_t in, const uint16_t* wp
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
         int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        const uint16_t* wb = wp + b * in * OB;
+        const char* wb = (const char*)wp + (size_t)(b * in * OB) * esize;
         for (int64_t r = 0; r < nrb; r++) {
             int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-            MK[nr](xt + r * NB * in, in, wb, y + j0 * out, out, o0, width, bias);
+            kern[nr](xt + r * NB * in, in, wb, y + j0 * out, out, o0, width, scale, bias);
         }
     }
     free(xt);
     return 0;
 }
 
-/* ---- int8 weights (per-output scale), for draft models: half the bytes of bf16 per token ----
+/* bf16 weights packed by hs_pack_bf16; bias [out] fp32 or NULL. Returns 0, or -1 when out of memory. */
+int hs_linear_bf16(const uint16_t* xb, int64_t n, int64_t in, const uint16_t* wp, int64_t out,
+                   uint16_t* y, const float* bias, int nthreads) {
+    return run(MK, sizeof(uint16_t), xb, n, in, wp, NULL, out, y, bias, nthreads);
+}
+
+/* int8 weights (per-output scale), for draft models: half the bytes of bf16 per token.
    wq: [ceil(out/32)][in][32] int8 (zero padded), scale: [out] fp32; y = (x @ wq^T) * scale (+ bias).
    Same blocking and the same in-order fp32 summation as the bf16 kernel. */
-static inline __m512 ld8(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-#define DEF8(N) \
-static void mq_##N(const float* xt, int64_t in, const int8_t* wb, uint16_t* y, int64_t out, int64_t o0, \
-                   int64_t width, const float* scale, const float* bias) { \
-    __m512 a0[N], a1[N]; \
-    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); } \
-    for (int64_t i = 0; i < in; i++) { \
-        __m512 w0 = ld8(wb + i * OB), w1 = ld8(wb + i * OB + 16); \
-        _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512 xv = _mm512_set1_ps(xt[i * N + j]); \
-            a0[j] = _mm512_fmadd_ps(w0, xv, a0[j]); a1[j] = _mm512_fmadd_ps(w1, xv, a1[j]); } \
-    } \
-    float buf[OB]; \
-    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
-        _mm512_storeu_ps(buf, a0[j]); _mm512_storeu_ps(buf + 16, a1[j]); \
-        uint16_t* yr = y + j * out + o0; \
-        for (int64_t k = 0; k < width; k++) yr[k] = f2bf(buf[k] * scale[o0 + k] + (bias ? bias[o0 + k] : 0.0f)); } \
-}
-DEF8(1) DEF8(2) DEF8(3) DEF8(4) DEF8(5) DEF8(6) DEF8(7) DEF8(8) DEF8(9) DEF8(10) DEF8(11) DEF8(12)
-typedef void (*mqfn)(const float*, int64_t, const int8_t*, uint16_t*, int64_t, int64_t, int64_t, const float*, const float*);
-static const mqfn MQ[NB + 1] = {0, mq_1, mq_2, mq_3, mq_4, mq_5, mq_6, mq_7, mq_8, mq_9, mq_10, mq_11, mq_12};
-
 int hs_linear_i8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const float* scale, int64_t out,
                  uint16_t* y, const float* bias, int nthreads) {
-    int64_t nrb = (n + NB - 1) / NB;
-    float* xt = (float*)malloc((size_t)(nrb * NB * in) * sizeof(float));
-    if (!xt) return -1;
-    for (int64_t r = 0; r < nrb; r++) {
-        int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-        float* dst = xt + r * NB * in;
-        for (int64_t j = 0; j < nr; j++) {
-            const uint16_t* src = xb + (j0 + j) * in;
-            for (int64_t i = 0; i < in; i++) { uint32_t u = (uint32_t)src[i] << 16; memcpy(dst + i * nr + j, &u, 4); }
-        }
-    }
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        const int8_t* wb = wq + b * in * OB;
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-            MQ[nr](xt + r * NB * in, in, wb, y + j0 * out, out, o0, width, scale, bias);
-        }
-    }
-    free(xt);
-    return 0;
+    return run(MQ, sizeof(int8_t), xb, n, in, wq, scale, out, y, bias, nthreads);
 }
