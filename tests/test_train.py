@@ -61,11 +61,11 @@ def test_training_on_self_distilled_data_improves_heads(kind, tok, tmp_path):
     assert len(rows) == 12 and all(len(r["answer_ids"]) == 24 for r in rows)
 
     fresh = build_heads(kind, model, num_heads=3)
-    before = evaluate(fresh, model, rows, False, 1024)
+    before = evaluate(fresh, model, rows)
     train_heads(model, data, tmp_path / "heads", kind=kind, base_name="tiny", num_heads=3, epochs=12, lr=3e-3,
                 heldout=0.0, progress=False)
     heads, cfg = load_heads(tmp_path / "heads", model, base_model="tiny")
-    after = evaluate(heads, model, rows, False, 1024)
+    after = evaluate(heads, model, rows)
     assert after[0]["top1"] > before[0]["top1"] + 0.2, (before, after)
     log = [json.loads(x) for x in (tmp_path / "heads" / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 12 and log[-1]["loss"] < log[0]["loss"]
@@ -117,9 +117,9 @@ def test_draft_vocab_training_maps_targets_and_improves(tok, tmp_path):
                 heldout=0.0, progress=False, draft_vocab=24)
     heads, cfg = load_heads(tmp_path / "h", model)
     assert heads.subset.numel() == 24 and 0 < cfg["draft_vocab_coverage"] <= 1
-    after = evaluate(heads, model, rows, False, 1024)
+    after = evaluate(heads, model, rows)
     fresh = build_heads("medusa", model, num_heads=2, vocab_subset=heads.subset.tolist())
-    before = evaluate(fresh, model, rows, False, 1024)
+    before = evaluate(fresh, model, rows)
     assert after[0]["top1"] > before[0]["top1"] + 0.12, (before, after)
     assert after[0]["top1"] <= cfg["draft_vocab_coverage"] + 1e-9  # tokens outside the subset are sure misses
     # the loss counts an out-of-subset target as unreachable, not as some other token
@@ -128,3 +128,40 @@ def test_draft_vocab_training_maps_targets_and_improves(tok, tmp_path):
     hidden = model(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0]
     loss, st = heads_loss(heads, hidden, ids, len(rows[0]["prompt_ids"]), embed=model.get_input_embeddings())
     assert torch.isfinite(loss)
+
+
+def test_base_outputs_cache_matches_recomputation(tok, tmp_path):
+    from hydraspec.train.trainer import BaseOutputs, teacher_logits
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    questions = [(i, [" ".join(f"w{(i * 3 + j) % 90}" for j in range(5))]) for i in range(4)]
+    data = tmp_path / "answers.jsonl"
+    answer_prompts(model, tok, questions, data, max_new_tokens=10, progress=False)
+    rows = load_answers(data)
+    base = BaseOutputs(model, tmp_path / "cache", 1 << 30, 1024, "tiny")
+    first = [base.hidden(r, base.ids(r)) for r in rows]
+    again = [base.hidden(r, base.ids(r)) for r in rows]
+    assert (base.misses, base.hits) == (4, 4)
+    for r, a, b in zip(rows, first, again):
+        ids = base.ids(r)
+        out = model(input_ids=ids[None], output_hidden_states=True)
+        torch.testing.assert_close(b, out.hidden_states[-1][0], atol=0, rtol=0)  # stored exactly
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        # distillation targets recomputed from the hidden states are the model's logits
+        torch.testing.assert_close(teacher_logits(model, b), out.logits[0].float(), atol=1e-5, rtol=1e-5)
+        sub = torch.tensor([5, 1, 7])
+        torch.testing.assert_close(teacher_logits(model, b, sub), out.logits[0, :, sub].float(), atol=1e-5, rtol=1e-5)
+    # the size bound: nothing beyond it is stored, and those sequences are recomputed
+    small = BaseOutputs(model, tmp_path / "small", 1, 1024, "tiny")
+    small.hidden(rows[0], small.ids(rows[0]))
+    small.hidden(rows[0], small.ids(rows[0]))
+    assert (small.misses, small.hits) == (2, 0) and not list((tmp_path / "small").glob("*.pt"))
+    # a cache made for another base model is cleared, not reused
+    other = BaseOutputs(model, tmp_path / "cache", 1 << 30, 1024, "another-base")
+    assert other.used == 0 and not list((tmp_path / "cache").glob("*.pt"))
+    # training reads the cache: the second epoch computes nothing
+    train_heads(model, data, tmp_path / "h", kind="medusa", base_name="tiny", num_heads=2, epochs=2,
+                heldout=0.25, progress=False)
+    log = [json.loads(x) for x in (tmp_path / "h" / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["base_cache"]["computed"] == 4 and log[1]["base_cache"]["computed"] == 4
+    assert log[1]["base_cache"]["hits"] > log[0]["base_cache"]["hits"]

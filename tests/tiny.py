@@ -56,6 +56,10 @@ def make_model(family: str = "llama", *, attn: str = "sdpa", seed: int = 0, voca
     if family == "gemma":
         kw["head_dim"] = hidden // heads
     cfg = cfg_cls(**kw)
+    if attn == "hydraspec_cpu":
+        from hydraspec.attention import register
+
+        register()
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
     model = model_cls(cfg).float().eval()

@@ -209,6 +209,8 @@ def cmd_train_heads(args) -> int:
 
     if args.epochs < 1 or args.num_heads < 1 or args.num_layers < 1:
         raise HydraspecError("--epochs, --num-heads and --num-layers must be at least 1")
+    if args.cache_gb < 0:
+        raise HydraspecError("--cache-gb must be 0 or more")
     if not args.prompts and not args.docstring_prompts:
         raise HydraspecError("give --prompts FILE... and/or --docstring-prompts N")
     questions = load_questions(args.prompts, limit=args.limit, skip=args.skip) if args.prompts else []
@@ -238,7 +240,8 @@ def cmd_train_heads(args) -> int:
             "variant": args.kind}
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
-                      prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None)
+                      prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
+                      cache_bytes=int(args.cache_gb * (1 << 30)))
     print(f"data generation {t_data / 60:.1f} min, training {(time.perf_counter() - t0 - t_data) / 60:.1f} min",
           file=sys.stderr)
     last = [json.loads(x) for x in open(res["log"])][-1]
@@ -361,6 +364,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="heads project onto the N most frequent answer tokens only (cheaper drafting and "
                         "training; exactness unchanged); 0 = the whole vocabulary")
     t.add_argument("--heldout", type=float, default=0.1, help="share of prompts held out for accuracy")
+    t.add_argument("--cache-gb", type=float, default=4.0,
+                   help="disk for the base model's hidden states (OUT/base_cache), computed once and reused by "
+                        "every epoch; sequences past the bound are recomputed (0 = no cache)")
     t.set_defaults(func=cmd_train_heads)
 
     b = sub.add_parser("build-tree", help="grow a token tree for heads or a draft model from calibration data",

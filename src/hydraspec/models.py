@@ -702,7 +702,7 @@ def load_model(
     name_or_path: str,
     dtype: str = "bfloat16",
     device: str = "auto",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     *,
     auto_pull: bool = False,
     progress: bool = True,
@@ -713,7 +713,9 @@ def load_model(
     ``name_or_path``: a registry name (see :func:`list_models`; must be pulled unless
     ``auto_pull=True``), a local Hugging Face directory, a local ``.gguf`` file (converted once and
     cached per dtype), or a hub id. ``dtype``: float32 | bfloat16 | float16. ``device``: auto | cpu |
-    cuda. Problems are reported as one-line :class:`HydraspecError`.
+    cuda. ``attn_implementation``: "auto" takes :mod:`hydraspec.attention` on the CPU and "sdpa"
+    elsewhere; any name transformers knows may be given. Problems are reported as one-line
+    :class:`HydraspecError`.
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise HydraspecError("cannot load model: empty model name")
@@ -724,6 +726,10 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if attn_implementation == "auto":  # our few-query attention on the CPU, sdpa elsewhere
+        from .attention import register
+
+        attn_implementation = register() if dev == "cpu" else "sdpa"
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if dev != "cpu":

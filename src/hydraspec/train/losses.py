@@ -30,7 +30,8 @@ def heads_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
                decay: float = 0.8, teacher_logits: torch.Tensor | None = None):
     """sum_k decay^k * loss_k, where loss_k is the cross-entropy of head k against the real token
     t + k + 2 (Medusa-1 / Hydra) or, with teacher_logits [T, vocab] from the base model, against the base
-    model's distribution for that token, softmax(teacher_logits[t + k + 1]) (Hydra++ distillation).
+    model's distribution for that token, softmax(teacher_logits[t + k + 1]) (Hydra++ distillation;
+    with a draft vocabulary, teacher_logits may hold the whole vocabulary or only its columns).
     Returns (loss, per-head dict of top-1 / top-5 hit counts and the number of targets)."""
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []

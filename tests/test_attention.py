@@ -1,0 +1,104 @@
+"""hydraspec.attention.cpu_attention against transformers' sdpa attention on random inputs."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hydraspec.attention import MAX_QUERIES, cpu_attention
+
+
+def module(groups: int):
+    return types.SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+
+
+def inputs(b, h, hkv, n, L, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, L, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, L, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def tree_bool_mask(b, n, L, seed=0, heads=1):
+    """Each query sees a random prefix part plus itself; a few random extra positions hidden."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(b, heads, n, L, generator=g) > 0.3
+    for i in range(n):
+        m[:, :, i, L - n + i] = True  # itself, so no row is empty
+    return m
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (8, 1), (12, 2)])
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_matches_sdpa_with_masks(h, hkv, n):
+    L = 40
+    q, k, v = inputs(2, h, hkv, n, L, seed=h * 100 + n)
+    mod = module(h // hkv)
+    bool_mask = tree_bool_mask(2, n, L, seed=n)
+    add_mask = torch.zeros(bool_mask.shape).masked_fill_(~bool_mask, torch.finfo(torch.float32).min)
+    head_mask = tree_bool_mask(2, n, L, seed=n + 1, heads=h)
+    for mask in (bool_mask, add_mask, head_mask):
+        ref, _ = sdpa_attention_forward(mod, q, k, v, mask, scaling=0.25)
+        out, _ = cpu_attention(mod, q, k, v, mask, scaling=0.25)
+        assert out.shape == (2, n, h, 16)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_single_query_without_mask_sees_everything():
+    q, k, v = inputs(1, 6, 2, 1, 300)
+    ref, _ = sdpa_attention_forward(module(3), q, k, v, None)
+    out, _ = cpu_attention(module(3), q, k, v, None)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # and it is really attention: changing one value row far back changes the output
+    v2 = v.clone()
+    v2[0, 0, 3] += 10
+    out2, _ = cpu_attention(module(3), q, k, v2, None)
+    assert not torch.allclose(out, out2)
+
+
+def test_bf16_close_to_sdpa():
+    q, k, v = inputs(1, 12, 2, 9, 120, d=64, dtype=torch.bfloat16)
+    mask = tree_bool_mask(1, 9, 120)
+    ref, _ = sdpa_attention_forward(module(6), q.float(), k.float(), v.float(), mask)
+    out, _ = cpu_attention(module(6), q, k, v, mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fully_masked_row_gives_zeros_not_nan():
+    q, k, v = inputs(2, 4, 2, 3, 10)
+    mask = torch.ones(2, 1, 3, 10, dtype=torch.bool)
+    mask[1, 0, 2] = False  # a padding query of row 1
+    out, _ = cpu_attention(module(2), q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert (out[1, 2] == 0).all()
+
+
+def test_prefill_and_maskless_calls_go_to_sdpa():
+    # many queries (prefill) and a multi-query call without a mask (causal) are sdpa's; same result
+    for n, L in ((MAX_QUERIES + 1, MAX_QUERIES + 1), (5, 5)):
+        q, k, v = inputs(1, 4, 2, n, L)
+        ref, _ = sdpa_attention_forward(module(2), q, k, v, None)
+        out, _ = cpu_attention(module(2), q, k, v, None)
+        torch.testing.assert_close(out, ref)
+        # causal: the first query ignores every later key
+        v2 = v.clone()
+        v2[:, :, 1:] += 5
+        out2, _ = cpu_attention(module(2), q, k, v2, None)
+        torch.testing.assert_close(out2[:, 0], out[:, 0])
+
+
+def test_training_with_gradients_goes_to_sdpa():
+    # the in-place fast path must not run where autograd needs its inputs (a trainable prefix layer)
+    q, k, v = inputs(1, 4, 2, 3, 10)
+    q.requires_grad_(True)
+    mask = tree_bool_mask(1, 3, 10)
+    out, _ = cpu_attention(module(2), q, k, v, mask)
+    out.sum().backward()
+    ref_q = q.detach().clone().requires_grad_(True)
+    ref, _ = sdpa_attention_forward(module(2), ref_q, k, v, mask)
+    ref.sum().backward()
+    torch.testing.assert_close(q.grad, ref_q.grad)
