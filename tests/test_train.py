@@ -145,12 +145,13 @@ def test_base_outputs_cache_matches_recomputation(tok, tmp_path):
     for r, a, b in zip(rows, first, again):
         ids = base.ids(r)
         out = model(input_ids=ids[None], output_hidden_states=True)
-        torch.testing.assert_close(b, out.hidden_states[-1][0], atol=0, rtol=0)  # stored exactly
+        assert b.shape[0] == ids.numel() - 1  # the last token's state is never a target's input
+        torch.testing.assert_close(b, out.hidden_states[-1][0, :-1], atol=0, rtol=0)  # stored exactly
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         # distillation targets recomputed from the hidden states are the model's logits
-        torch.testing.assert_close(teacher_logits(model, b), out.logits[0].float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(teacher_logits(model, b), out.logits[0, :-1].float(), atol=1e-5, rtol=1e-5)
         sub = torch.tensor([5, 1, 7])
-        torch.testing.assert_close(teacher_logits(model, b, sub), out.logits[0, :, sub].float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(teacher_logits(model, b, sub), out.logits[0, :-1, sub].float(), atol=1e-5, rtol=1e-5)
     # the size bound: nothing beyond it is stored, and those sequences are recomputed
     small = BaseOutputs(model, tmp_path / "small", 1, 1024, "tiny")
     small.hidden(rows[0], small.ids(rows[0]))
@@ -165,3 +166,26 @@ def test_base_outputs_cache_matches_recomputation(tok, tmp_path):
     log = [json.loads(x) for x in (tmp_path / "h" / "train_log.jsonl").read_text().splitlines()]
     assert log[0]["base_cache"]["computed"] == 4 and log[1]["base_cache"]["computed"] == 4
     assert log[1]["base_cache"]["hits"] > log[0]["base_cache"]["hits"]
+
+
+def test_batched_data_generation_fills_the_base_cache(tok, tmp_path):
+    from hydraspec.train.trainer import BaseOutputs, _base_hidden
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    questions = [(i, [" ".join(f"w{(i * 5 + j * 2) % 90}" for j in range(3 + i % 4))]) for i in range(6)]
+    data = tmp_path / "answers.jsonl"
+    cache = BaseOutputs.for_data(model, data, 1 << 30, base_name="tiny")
+    answer_prompts(model, tok, questions, data, max_new_tokens=9, progress=False, batch_size=4, base_cache=cache)
+    rows = load_answers(data)
+    assert len(list((tmp_path / "answers.base_cache").glob("*.pt"))) == len(rows) == 6
+    # what generation captured (left-padded batches) is what a plain forward over the sequence gives
+    reader = BaseOutputs.for_data(model, data, 1 << 30, base_name="tiny")
+    for r in rows:
+        ids = reader.ids(r)
+        torch.testing.assert_close(reader.hidden(r, ids), _base_hidden(model, ids), atol=1e-4, rtol=1e-4)
+    assert (reader.hits, reader.misses) == (6, 0)
+    # so training runs no base forward at all
+    train_heads(model, data, tmp_path / "h", kind="medusa", base_name="tiny", num_heads=2, epochs=1,
+                heldout=0.0, progress=False)
+    log = [json.loads(x) for x in (tmp_path / "h" / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["base_cache"]["computed"] == 0 and log[0]["base_cache"]["hits"] == 6

@@ -228,8 +228,10 @@ def cmd_train_heads(args) -> int:
     if args.batch_size < 1:
         raise HydraspecError("--batch-size must be at least 1")
     t0 = time.perf_counter()
-    answer_prompts(model, tok, pairs, data,
-                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    from .train.trainer import BaseOutputs
+
+    answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                   base_cache=BaseOutputs.for_data(model, data, int(args.cache_gb * (1 << 30)), base_name=args.model))
     t_data = time.perf_counter() - t0
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
@@ -365,8 +367,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "training; exactness unchanged); 0 = the whole vocabulary")
     t.add_argument("--heldout", type=float, default=0.1, help="share of prompts held out for accuracy")
     t.add_argument("--cache-gb", type=float, default=4.0,
-                   help="disk for the base model's hidden states (OUT/base_cache), computed once and reused by "
-                        "every epoch; sequences past the bound are recomputed (0 = no cache)")
+                   help="disk for the base model's hidden states (ANSWERS.base_cache/ beside the --data file), "
+                        "kept from data generation and reused by every epoch and training; sequences past the "
+                        "bound are recomputed (0 = no cache)")
     t.set_defaults(func=cmd_train_heads)
 
     b = sub.add_parser("build-tree", help="grow a token tree for heads or a draft model from calibration data",

@@ -23,9 +23,11 @@ def is_heldout(qid, share: float) -> bool:
 
 @torch.no_grad()
 def _base_hidden(model, ids: torch.Tensor) -> torch.Tensor:
-    """The base model's last hidden states [T, dim] (after its final norm: what lm_head reads)."""
+    """The base model's last hidden states (after its final norm: what lm_head reads) at positions
+    0 .. T-2 of `ids` [T]: [T - 1, dim]. The last token's state is left out: no head target and no
+    distillation target reads it (head k at position t predicts token t + k + 2 < T)."""
     out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    return out.hidden_states[-1][0]
+    return out.hidden_states[-1][0, :-1]
 
 
 @torch.no_grad()
@@ -47,13 +49,21 @@ def teacher_logits(model, hidden: torch.Tensor, subset: torch.Tensor | None = No
 
 
 class BaseOutputs:
-    """The frozen base model's last hidden states per training sequence, computed once and then reused
-    by every epoch and by the held-out evaluation: the base forward is most of a step's cost for a
-    1.5B model on a CPU. Stored under `directory` (one file per sequence, in the base model's dtype, so a
-    cached state is exactly what a recomputation gives) up to `max_bytes` in all; sequences past the
-    bound are recomputed each time. A cache made by another base model or length limit is cleared.
+    """The frozen base model's last hidden states per training sequence ([T - 1, dim], see
+    :func:`_base_hidden`), computed once and then reused by every epoch, every training that shares the
+    answers file, and the held-out evaluation: the base forward is most of a step's cost for a 1.5B
+    model on a CPU. Batched data generation stores the states it computes anyway (:meth:`put`), so
+    most sequences never need a separate base forward. Stored under `directory` (one file per
+    sequence, in the base model's dtype) up to `max_bytes` in all; sequences past the bound are
+    recomputed each time. A cache made by another base model or length limit is cleared.
     Distillation targets are recomputed from these states with the base lm_head (:func:`teacher_logits`),
     so no logits are ever stored."""
+
+    @classmethod
+    def for_data(cls, model, data_path, max_bytes: int, max_len: int = 1024, base_name: str = ""):
+        """The cache that belongs to an answers file: ANSWERS.base_cache/ beside it."""
+        p = Path(data_path)
+        return cls(model, p.parent / f"{p.stem}.base_cache", max_bytes, max_len, base_name)
 
     def __init__(self, model, directory=None, max_bytes: int = 0, max_len: int = 1024, base_name: str = ""):
         import shutil
@@ -79,23 +89,35 @@ class BaseOutputs:
     def ids(self, row) -> torch.Tensor:
         return torch.tensor((row["prompt_ids"] + row["answer_ids"])[: self.max_len], device=self.model.device)
 
+    def _path(self, row, ids: torch.Tensor) -> Path | None:
+        if self.dir is None:
+            return None
+        key = hashlib.sha1(json.dumps([str(row["id"]), ids.tolist()]).encode()).hexdigest()
+        return self.dir / f"{key}.pt"
+
     def hidden(self, row, ids: torch.Tensor) -> torch.Tensor:
-        path = None
-        if self.dir is not None:
-            key = hashlib.sha1(json.dumps([str(row["id"]), ids.tolist()]).encode()).hexdigest()
-            path = self.dir / f"{key}.pt"
+        path = self._path(row, ids)
         if path is not None and path.exists():
             self.hits += 1
             return torch.load(path, map_location=self.model.device, weights_only=True)
         self.misses += 1
         hidden = _base_hidden(self.model, ids)
-        size = hidden.numel() * hidden.element_size() + 1024
-        if path is not None and self.max_bytes > 0 and self.used + size <= self.max_bytes:
-            tmp = path.with_suffix(".tmp")
-            torch.save(hidden.detach().cpu().clone(), tmp)
-            tmp.replace(path)  # an interrupted write never leaves a truncated entry
-            self.used += size
+        self.put(row, hidden)
         return hidden
+
+    def put(self, row, hidden: torch.Tensor) -> bool:
+        """Store `hidden` [T - 1, dim] for `row` if it fits the bound; returns whether it was stored."""
+        ids = self.ids(row)
+        path = self._path(row, ids)
+        size = hidden.numel() * hidden.element_size() + 1024
+        if (path is None or self.max_bytes <= 0 or self.used + size > self.max_bytes
+                or hidden.shape[0] != ids.numel() - 1 or path.exists()):
+            return False
+        tmp = path.with_suffix(".tmp")
+        torch.save(hidden.detach().to(self.model.dtype).cpu().clone(), tmp)
+        tmp.replace(path)  # an interrupted write never leaves a truncated entry
+        self.used += size
+        return True
 
 
 def choose_draft_vocab(rows, size: int, model) -> tuple[list[int], float]:
@@ -174,7 +196,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
         opt.load_state_dict(st["opt"])
         start_epoch = st["epoch"]
     embed = model.get_input_embeddings()
-    base = BaseOutputs(model, out / "base_cache", cache_bytes, max_len, base_name)
+    base = BaseOutputs.for_data(model, data_path, cache_bytes, max_len, base_name)
     sub_idx = acc.unwrap_model(heads).subset if subset is not None else None
     log = out / "train_log.jsonl"
     rng = random.Random(seed)
