@@ -130,3 +130,8 @@ def test_train_heads_command(saved, tmp_path, capsys):
     rc, _, err = run(capsys, "train-heads", "--model", str(saved / "target"), "--kind", "medusa", "--out",
                      str(tmp_path / "x"))
     assert rc == 2 and "--docstring-prompts" in err
+    # Medusa-2 changes the base: refused for a bf16 base, with a one-line message
+    rc, _, err = run(capsys, "train-heads", "--model", str(saved / "target"), "--dtype", "bfloat16", "--kind",
+                     "medusa", "--joint", "--epochs", "2", "--prompts", str(prompts), "--data",
+                     str(out / "answers.jsonl"), "--out", str(tmp_path / "j"), "--max-new-tokens", "8")
+    assert rc == 2 and "float32" in err and "Traceback" not in err

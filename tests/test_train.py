@@ -189,3 +189,45 @@ def test_batched_data_generation_fills_the_base_cache(tok, tmp_path):
                 heldout=0.0, progress=False)
     log = [json.loads(x) for x in (tmp_path / "h" / "train_log.jsonl").read_text().splitlines()]
     assert log[0]["base_cache"]["computed"] == 0 and log[0]["base_cache"]["hits"] == 6
+
+
+def test_medusa2_joint_training_tunes_the_base_and_stays_exact(tok, tmp_path):
+    import copy
+
+    from hydraspec import HydraspecError
+    from hydraspec.kernels import prepack
+
+    model = copy.deepcopy(tiny.cached_model("llama", "sdpa", 1))  # this test changes the base
+    prepack(model)  # as load_model leaves it: joint training must not read stale packed weights
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    questions = [(i, [" ".join(f"w{(i * 7 + j * 3) % 90}" for j in range(6))]) for i in range(8)]
+    data = tmp_path / "answers.jsonl"
+    answer_prompts(model, tok, questions, data, max_new_tokens=16, progress=False, batch_size=4)
+    with pytest.raises(HydraspecError, match="more epochs"):
+        train_heads(model, data, tmp_path / "x", kind="medusa", epochs=1, joint=True, progress=False)
+    train_heads(model, data, tmp_path / "m2", kind="medusa", base_name="tiny", num_heads=2, epochs=3, lr=3e-3,
+                heldout=0.25, progress=False, joint=True, warmup_epochs=1, base_lr=1e-3)
+    log = [json.loads(x) for x in (tmp_path / "m2" / "train_log.jsonl").read_text().splitlines()]
+    assert "joint" not in log[0] and log[1]["joint"] and log[2]["joint"]
+    assert 0 <= log[2]["lm_kl"] < 1.0  # the tuned base stays close to the original
+    after = dict(model.named_parameters())
+    emb = model.get_input_embeddings().weight
+    changed = [n for n, p in after.items() if not torch.equal(p.detach(), original[n])]
+    assert changed and all("layers" in n or "norm" in n for n in changed)
+    assert torch.equal(emb.detach(), original["model.embed_tokens.weight"])
+    # the tuned base is saved; the heads name it and refuse the original base
+    base_dir = tmp_path / "m2" / "base"
+    tuned = type(model).from_pretrained(base_dir).eval()
+    for n, p in tuned.named_parameters():
+        torch.testing.assert_close(p, after[n].detach())
+    heads, cfg = load_heads(tmp_path / "m2", tuned, base_model=str(base_dir))
+    assert cfg["joint"]["original_base"] == "tiny"
+    with pytest.raises(HydraspecError, match="trained for"):
+        load_heads(tmp_path / "m2", tuned, base_model="tiny")
+    # speculative decoding with the tuned base and its heads is exact for that base
+    prompt = load_answers(data)[0]["prompt_ids"]
+    ref = SpeculativeGenerator(tuned, tok).generate(input_ids=prompt, max_new_tokens=16)
+    res = SpeculativeGenerator(tuned, tok, make_drafter("medusa", heads=heads, embed=tuned.get_input_embeddings(),
+                                                        tree=cfg["default_tree"])).generate(input_ids=prompt,
+                                                                                           max_new_tokens=16)
+    assert res.token_ids == ref.token_ids

@@ -243,13 +243,20 @@ def cmd_train_heads(args) -> int:
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
-                      cache_bytes=int(args.cache_gb * (1 << 30)))
+                      cache_bytes=int(args.cache_gb * (1 << 30)), joint=args.joint,
+                      warmup_epochs=args.warmup_epochs, lm_weight=args.lm_weight, base_lr=args.base_lr)
+    if args.joint:
+        tok.save_pretrained(os.path.join(out, "base"))
     print(f"data generation {t_data / 60:.1f} min, training {(time.perf_counter() - t0 - t_data) / 60:.1f} min",
           file=sys.stderr)
     last = [json.loads(x) for x in open(res["log"])][-1]
     for h in last["heads"]:
         print(f"head {h['head']}: held-out top-1 {h['top1']:.3f}, top-5 {h['top5']:.3f} over {h['n']} targets")
-    print(f"heads saved in {out}; use them with --method {kind} --heads {out}")
+    if args.joint:
+        print(f"heads and the tuned base saved in {out}; use them with --model {os.path.join(out, 'base')} "
+              f"--method {kind} --heads {out}")
+    else:
+        print(f"heads saved in {out}; use them with --method {kind} --heads {out}")
     return 0
 
 
@@ -366,6 +373,13 @@ def make_parser() -> argparse.ArgumentParser:
                    help="heads project onto the N most frequent answer tokens only (cheaper drafting and "
                         "training; exactness unchanged); 0 = the whole vocabulary")
     t.add_argument("--heldout", type=float, default=0.1, help="share of prompts held out for accuracy")
+    t.add_argument("--joint", action="store_true",
+                   help="Medusa-2: after --warmup-epochs of heads alone, train the base model's decoder layers "
+                        "with the heads (changes the base: the tuned base is saved in OUT/base; float32 only)")
+    t.add_argument("--warmup-epochs", type=int, default=1, help="with --joint: epochs of heads-only training first")
+    t.add_argument("--lm-weight", type=float, default=0.01,
+                   help="with --joint: weight of KL(original base || tuned base) (Medusa-2 with self-distilled data)")
+    t.add_argument("--base-lr", type=float, help="with --joint: the base's learning rate (default --lr / 4)")
     t.add_argument("--cache-gb", type=float, default=4.0,
                    help="disk for the base model's hidden states (ANSWERS.base_cache/ beside the --data file), "
                         "kept from data generation and reused by every epoch and training; sequences past the "

@@ -9,8 +9,10 @@ import random
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..errors import HydraspecError
 from ..heads import build_heads, save_heads
 from .data import load_answers
 from .losses import heads_loss
@@ -34,6 +36,10 @@ def _base_hidden(model, ids: torch.Tensor) -> torch.Tensor:
 def teacher_logits(model, hidden: torch.Tensor, subset: torch.Tensor | None = None) -> torch.Tensor:
     """The base model's logits recomputed from its last hidden states [T, dim]: [T, vocab], or only the
     draft-vocabulary columns [T, len(subset)] (what the distillation loss reads), in float32."""
+    return _project(model, hidden, subset)
+
+
+def _project(model, hidden: torch.Tensor, subset: torch.Tensor | None = None) -> torch.Tensor:
     head = model.get_output_embeddings()
     h = hidden.to(head.weight.dtype)
     if subset is None:
@@ -105,6 +111,10 @@ class BaseOutputs:
         self.put(row, hidden)
         return hidden
 
+    def has(self, row) -> bool:
+        path = self._path(row, self.ids(row))
+        return path is not None and path.exists()
+
     def put(self, row, hidden: torch.Tensor) -> bool:
         """Store `hidden` [T - 1, dim] for `row` if it fits the bound; returns whether it was stored."""
         ids = self.ids(row)
@@ -169,7 +179,18 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
                 num_layers: int = 1, epochs: int = 1, lr: float = 1e-3, distill: bool = False,
                 heldout: float = 0.1, max_len: int = 1024, seed: int = 0, progress: bool = True,
                 prefix_layer: bool = False, extra_config: dict | None = None, draft_vocab: int | None = None,
-                cache_bytes: int = 4 << 30) -> dict:
+                cache_bytes: int = 4 << 30, joint: bool = False, warmup_epochs: int = 1, lm_weight: float = 0.01,
+                base_lr: float | None = None) -> dict:
+    """Train draft heads on the answers in `data_path` and save them (and the training log) in `out_dir`.
+
+    joint=True is Medusa-2: the heads train alone for `warmup_epochs`, then the base model's decoder
+    layers train with them (learning rate `base_lr`, default lr / 4, so the heads' is 4x the base's),
+    under loss = heads' loss + lm_weight * KL(original base || tuned base) over the answer tokens: with
+    self-distilled answers the base is kept close to its own original distribution (Medusa-2 uses
+    0.01 then; 0.2 with a plain LM loss on human data). The embeddings and lm_head stay frozen (the
+    heads share the lm_head). The tuned base is saved in OUT/base and is the model these heads must
+    draft for (their config names it). Needs the base in float32 and the original states of every
+    sequence in the base cache."""
     from accelerate import Accelerator
 
     out = Path(out_dir)
@@ -187,7 +208,22 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             print(f"draft vocabulary: {len(subset)} tokens cover {coverage:.2%} of the training answers' tokens")
     heads = build_heads(kind, model, num_heads=num_heads, num_layers=num_layers, prefix_layer=prefix_layer,
                         vocab_subset=subset).float()
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr)
+    tuned: dict[str, torch.nn.Parameter] = {}
+    if joint:
+        if model.dtype != torch.float32:
+            raise HydraspecError("joint (Medusa-2) training updates the base model: load it in float32")
+        if warmup_epochs >= epochs:
+            raise HydraspecError(f"joint training needs more epochs ({epochs}) than heads-only warm-up epochs "
+                                 f"({warmup_epochs})")
+        from ..kernels import unpack
+
+        unpack(model)  # prepacked weight copies would go stale once the base trains
+        frozen = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+        tuned = {n: p for n, p in model.named_parameters() if id(p) not in frozen}
+    groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": lr}]
+    if tuned:
+        groups.append({"params": list(tuned.values()), "lr": base_lr if base_lr is not None else lr / 4})
+    opt = torch.optim.AdamW(groups)
     heads, opt = acc.prepare(heads, opt)
     state_path, start_epoch = out / "train_state.pt", 0
     if state_path.exists():  # resume
@@ -195,8 +231,18 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
         acc.unwrap_model(heads).load_state_dict(st["heads"])
         opt.load_state_dict(st["opt"])
         start_epoch = st["epoch"]
+        if st.get("base"):
+            with torch.no_grad():
+                for n, v in st["base"].items():
+                    tuned[n].copy_(v)
     embed = model.get_input_embeddings()
     base = BaseOutputs.for_data(model, data_path, cache_bytes, max_len, base_name)
+    if joint:  # the original base's states, the KL target, must exist before the base changes
+        for r in tqdm(rows, desc="original base states", unit="seq", disable=not progress):
+            base.hidden(r, base.ids(r))
+        if not all(base.has(r) for r in rows):
+            raise HydraspecError("joint training needs the original base states of every sequence in the base "
+                                 "cache; raise --cache-gb")
     sub_idx = acc.unwrap_model(heads).subset if subset is not None else None
     log = out / "train_log.jsonl"
     rng = random.Random(seed)
@@ -205,13 +251,28 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
         rng.shuffle(order)
         bar = tqdm(order, desc=f"epoch {epoch + 1}/{epochs}", unit="seq", disable=not progress)
         running = 0.0
+        both = joint and epoch >= warmup_epochs
+        for p in tuned.values():
+            p.requires_grad_(both)
+        kl_sum = 0.0
         for i, r in enumerate(bar):
             ids = base.ids(r)
-            hidden = base.hidden(r, ids)
+            hidden = base.hidden(r, ids)  # the original base's states (cached)
             teacher = teacher_logits(model, hidden, sub_idx) if distill else None
+            kl = None
+            if both:  # Medusa-2: the heads read the tuned base, which stays close to the original
+                orig = teacher_logits(model, hidden)
+                out_m = model(input_ids=ids[None], output_hidden_states=True, use_cache=False, logits_to_keep=1)
+                hidden = out_m.hidden_states[-1][0, :-1]
+                ans = torch.arange(max(0, len(r["prompt_ids"]) - 1), ids.numel() - 1, device=ids.device)
+                cur = _project(model, hidden[ans])
+                kl = F.kl_div(cur.log_softmax(-1), orig[ans].log_softmax(-1), log_target=True, reduction="batchmean")
             hm = acc.unwrap_model(heads)
             loss, _ = heads_loss(hm, hm.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed,
                                  teacher_logits=teacher)
+            if kl is not None:
+                loss = loss + lm_weight * kl
+                kl_sum += float(kl.detach())
             acc.backward(loss)
             opt.step()
             opt.zero_grad()
@@ -219,12 +280,20 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             running = 0.9 * running + 0.1 * lv if i else lv
             bar.set_postfix(loss=f"{running:.3f}")
         h = acc.unwrap_model(heads)
-        metrics = evaluate(h, model, test, base) if test else []
+        metrics = evaluate(h, model, test, BaseOutputs(model, max_len=max_len) if both else base) if test else []
         with log.open("a") as f:
             f.write(json.dumps({"epoch": epoch + 1, "train_seqs": len(train), "heldout_seqs": len(test),
                                 "loss": running, "heads": metrics,
-                                "base_cache": {"hits": base.hits, "computed": base.misses, "bytes": base.used}}) + "\n")
-        save_heads(h, out, base_model=base_name, kind_detail={"distill": distill, "epochs": epoch + 1},
-                   **(extra_config or {}))
-        torch.save({"heads": h.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1}, state_path)
+                                "base_cache": {"hits": base.hits, "computed": base.misses, "bytes": base.used},
+                                **({"joint": True, "lm_kl": kl_sum / max(1, len(order))} if both else {})}) + "\n")
+        extra = dict(extra_config or {})
+        name = base_name
+        if joint:  # the heads now belong to the tuned base, saved beside them
+            model.save_pretrained(out / "base")
+            name = str(out / "base")
+            extra["joint"] = {"original_base": base_name, "warmup_epochs": warmup_epochs, "lm_weight": lm_weight,
+                              "base_lr": groups[1]["lr"], "base_dir": "base"}
+        save_heads(h, out, base_model=name, kind_detail={"distill": distill, "epochs": epoch + 1}, **extra)
+        torch.save({"heads": h.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1,
+                    "base": {n: p.detach().clone() for n, p in tuned.items()} if both else None}, state_path)
     return {"train": len(train), "heldout": len(test), "log": str(log)}
