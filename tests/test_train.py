@@ -231,3 +231,25 @@ def test_medusa2_joint_training_tunes_the_base_and_stays_exact(tok, tmp_path):
                                                         tree=cfg["default_tree"])).generate(input_ids=prompt,
                                                                                            max_new_tokens=16)
     assert res.token_ids == ref.token_ids
+
+
+def test_distillation_with_a_draft_vocabulary_trains(tok, tmp_path):
+    # hydra++ with --draft-vocab: the teacher comes restricted to the subset's columns (or whole)
+    from hydraspec.train.trainer import teacher_logits
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    questions = [(i, [" ".join(f"w{(i * 7 + j * 3) % 90}" for j in range(6))]) for i in range(6)]
+    data = tmp_path / "answers.jsonl"
+    answer_prompts(model, tok, questions, data, max_new_tokens=12, progress=False, batch_size=3)
+    train_heads(model, data, tmp_path / "h", kind="hydra", base_name="tiny", num_heads=2, num_layers=2, epochs=2,
+                heldout=0.0, progress=False, distill=True, prefix_layer=True, draft_vocab=20)
+    heads, _ = load_heads(tmp_path / "h", model)
+    r = load_answers(data)[0]
+    ids = torch.tensor(r["prompt_ids"] + r["answer_ids"])
+    hidden = model(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
+    P = len(r["prompt_ids"])
+    full, _ = heads_loss(heads, hidden, ids, P, embed=model.get_input_embeddings(),
+                         teacher_logits=teacher_logits(model, hidden))
+    part, _ = heads_loss(heads, hidden, ids, P, embed=model.get_input_embeddings(),
+                         teacher_logits=teacher_logits(model, hidden, heads.subset))
+    torch.testing.assert_close(full, part)

@@ -51,7 +51,7 @@ def heads_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
             loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else logits.sum() * 0
         else:
             teacher = teacher_logits[pos + k + 1].float()
-            if subset is not None:
+            if subset is not None and teacher.shape[-1] != subset.numel():
                 teacher = teacher[:, subset]  # the base distribution renormalised over the draft vocabulary
             loss = -(teacher.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
         total = total + (decay ** k) * loss
