@@ -230,8 +230,9 @@ def cmd_train_heads(args) -> int:
     t0 = time.perf_counter()
     from .train.trainer import BaseOutputs
 
+    cache_bytes = int(args.cache_gb * (1 << 30))
     answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                   base_cache=BaseOutputs.for_data(model, data, int(args.cache_gb * (1 << 30)), base_name=args.model))
+                   base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
     t_data = time.perf_counter() - t0
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
@@ -243,7 +244,7 @@ def cmd_train_heads(args) -> int:
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
-                      cache_bytes=int(args.cache_gb * (1 << 30)), joint=args.joint,
+                      cache_bytes=cache_bytes, joint=args.joint,
                       warmup_epochs=args.warmup_epochs, lm_weight=args.lm_weight, base_lr=args.base_lr)
     if args.joint:
         tok.save_pretrained(os.path.join(out, "base"))

@@ -52,6 +52,7 @@ def _answer_batched(model, tokenizer, gen, todo, out, max_new_tokens, progress, 
     enc = sorted(((qid, gen.encode([{"role": "user", "content": turns[0]}])) for qid, turns in todo),
                  key=lambda x: len(x[1]))
     added = 0
+    capture = base_cache is not None and base_cache.max_bytes > 0
     bar = tqdm(total=len(enc), desc="answering", unit="prompt", disable=not progress)
     with out.open("a") as f, torch.inference_mode():
         for b in range(0, len(enc), batch_size):
@@ -59,7 +60,6 @@ def _answer_batched(model, tokenizer, gen, todo, out, max_new_tokens, progress, 
             width = max(len(ids) for _, ids in chunk)
             inp = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in chunk], device=model.device)
             att = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in chunk], device=model.device)
-            capture = base_cache is not None and base_cache.max_bytes > 0
             res = model.generate(input_ids=inp, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=pad, eos_token_id=sorted(eos) or None,
                                  output_hidden_states=capture, return_dict_in_generate=True)

@@ -261,12 +261,12 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             teacher = teacher_logits(model, hidden, sub_idx) if distill else None
             kl = None
             if both:  # Medusa-2: the heads read the tuned base, which stays close to the original
-                orig = teacher_logits(model, hidden)
+                ans = torch.arange(max(0, len(r["prompt_ids"]) - 1), ids.numel() - 1, device=ids.device)
+                orig = teacher_logits(model, hidden[ans])  # only the answer positions the KL reads
                 out_m = model(input_ids=ids[None], output_hidden_states=True, use_cache=False, logits_to_keep=1)
                 hidden = out_m.hidden_states[-1][0, :-1]
-                ans = torch.arange(max(0, len(r["prompt_ids"]) - 1), ids.numel() - 1, device=ids.device)
                 cur = _project(model, hidden[ans])
-                kl = F.kl_div(cur.log_softmax(-1), orig[ans].log_softmax(-1), log_target=True, reduction="batchmean")
+                kl = F.kl_div(cur.log_softmax(-1), orig.log_softmax(-1), log_target=True, reduction="batchmean")
             hm = acc.unwrap_model(heads)
             loss, _ = heads_loss(hm, hm.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed,
                                  teacher_logits=teacher)
