@@ -205,6 +205,32 @@ def test_rows_finish_at_different_times(method, tok):
     assert sum(spy.verify) == sum(r.stats.target_forwards for r in res5)
 
 
+@pytest.mark.parametrize("method", ["ar", "pld", "hydra"])
+def test_kept_hidden_states_equal_a_plain_forward(method, tok):
+    """keep_hidden: each result carries the last hidden states of prompt + answer but its last token,
+    gathered from the prefill and the accepted paths of the tree forwards; they equal one plain forward
+    over the finished sequence, also for rows cut by EOS mid-path and rows admitted mid-run."""
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()
+    free = SpeculativeGenerator(model, tok).generate_batch(input_ids=prompts, max_new_tokens=N_NEW)
+    eos = free[2].token_ids[4]
+    seen = []
+    with eos_set(model, tok, eos):
+        gen = BatchGenerator(model, tok, DRAFTERS[method](model))
+        res = gen.generate(input_ids=prompts, max_new_tokens=N_NEW, batch_size=3, keep_hidden=True,
+                           on_result=lambda i, r: seen.append((i, r.token_ids)))
+    assert sorted(seen) == sorted(enumerate(r.token_ids for r in res))  # each row reported once, when done
+    assert "eos" in [r.finish_reason for r in res]
+    for r in res:
+        ids = torch.tensor(r.prompt_ids + r.token_ids)
+        with torch.no_grad():
+            ref = model(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0, :-1]
+        assert r.hidden_states.shape == ref.shape
+        torch.testing.assert_close(r.hidden_states, ref, atol=1e-4, rtol=1e-4)
+    plain = gen.generate(input_ids=prompts[:2], max_new_tokens=4)
+    assert all(r.hidden_states is None for r in plain)
+
+
 def test_stop_strings_and_input_order(tok):
     model = tiny.cached_model("llama", "sdpa", SEED)
     prompts = ragged_prompts()

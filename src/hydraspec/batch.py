@@ -158,6 +158,7 @@ class _Row:
     d_fed: int = 0
     d_k: int = 0
     t_start: float = 0.0  # when the row was admitted (its latency runs from here)
+    hidden_log: list | None = None  # keep_hidden: the target's last hidden states, in position order
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -255,11 +256,13 @@ class BatchGenerator:
     def generate(self, prompts=None, *, input_ids: list[list[int]] | None = None, max_new_tokens: int = 128,
                  batch_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: list[str] | None = None, chat: bool = True,
-                 memory_limit: int | None = None) -> BatchResult:
+                 memory_limit: int | None = None, keep_hidden: bool = False, on_result=None) -> BatchResult:
         """prompts: strings, message lists or token-id lists (or input_ids=). batch_size: most rows decoded
         together (default: all); longest prompts first, and a row freed by a finished prompt is taken by the
         next waiting one. Sampling: input row i uses seed + i. memory_limit: bytes the caches may use
-        (default: the free memory)."""
+        (default: the free memory). keep_hidden: each result also carries the target's last hidden states
+        over its prompt and answer (GenerationResult.hidden_states), taken from the forwards that decode
+        anyway. on_result(i, result): called as soon as input row i is finished (e.g. to write it out)."""
         if max_new_tokens <= 0:
             raise HydraspecError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if temperature < 0 or not (0 < top_p <= 1) or top_k < 0:
@@ -292,7 +295,7 @@ class BatchGenerator:
         results: list[GenerationResult | None] = [None] * len(all_ids)
         t0 = time.perf_counter()
         forwards, admissions = self._run(order, rows, all_ids, max_new_tokens, sampling, seed,
-                                         [s for s in (stop or []) if s], results)
+                                         [s for s in (stop or []) if s], results, keep_hidden, on_result)
         wall = time.perf_counter() - t0
         return BatchResult(results=results, batch_size=bs, cache_bytes=need, wall_s=wall,
                            target_forwards=forwards, batches=admissions)
@@ -308,12 +311,12 @@ class BatchGenerator:
                                  f"({window}); tree attention over a sliding window is not supported")
 
     def _run(self, order: list[int], rows_max: int, all_ids, max_new: int, sampling: Sampling, seed, stops,
-             results) -> tuple[int, int]:
+             results, keep_hidden: bool = False, on_result=None) -> tuple[int, int]:
         model, dev = self.model, self.model.device
         accept_name = "greedy" if sampling.greedy else (self.acceptor or "lossless")
         accept = ACCEPTORS[accept_name]
         extra = self.typical if accept_name == "typical" else {}
-        need_hidden = self.drafter.needs_hidden or any(d.needs_hidden for _, d in self.trees)
+        need_hidden = keep_hidden or self.drafter.needs_hidden or any(d.needs_hidden for _, d in self.trees)
 
         # the caches: rows_max rows, allocated once; row slots are reused by waiting prompts
         capacity = max(len(all_ids[i]) for i in order) + max_new + self.max_nodes + 1
@@ -338,6 +341,9 @@ class BatchGenerator:
             del queue[:k]
             first = len(active)
             _prefill(model, cache, first, new, need_hidden)
+            if keep_hidden:
+                for r in new:
+                    r.hidden_log = [r.state.new_hidden.clone()] if r.state.new_hidden is not None else []
             if bd is not None:
                 bd.add(first, new)
             else:
@@ -434,6 +440,8 @@ class BatchGenerator:
                 r.stats.verify_s += verify_s
                 r.state.hidden = hid[b, acc.path[-1]] if hid is not None else None
                 r.state.new_hidden = hid[b, acc.path] if hid is not None else None
+                if keep_hidden:
+                    r.hidden_log.append(r.state.new_hidden)
                 tb = time.perf_counter()
                 r.stats.accept_s += tb - ta
                 if r.done:
@@ -452,6 +460,8 @@ class BatchGenerator:
                 for b in finished:
                     r = active[b]
                     results[r.index] = self._result(r, stops)
+                    if on_result is not None:
+                        on_result(r.index, results[r.index])
                 keep = [b for b in range(B) if b not in set(finished)]
                 active[:] = [active[b] for b in keep]
                 _select_rows(cache, torch.tensor(keep, dtype=torch.long, device=dev))
@@ -491,8 +501,12 @@ class BatchGenerator:
         text = self.tokenizer.decode(r.new, skip_special_tokens=True)
         if r.finish == "stop":
             text = _trim_after_stop(text, stops)
+        hidden = None
+        if r.hidden_log is not None:  # positions 0 .. T - 2 (an accepted path may run past a stop)
+            hidden = torch.cat(r.hidden_log)[: len(r.ids) + len(r.new) - 1]
+            r.hidden_log = None
         return GenerationResult(text=text, token_ids=list(r.new), prompt_ids=list(r.ids), stats=r.stats,
-                                finish_reason=r.finish)
+                                finish_reason=r.finish, hidden_states=hidden)
 
 
 class _BatchDraft:

@@ -57,6 +57,9 @@ class GenerationResult:
     prompt_ids: list[int]
     stats: Stats
     finish_reason: str  # "eos" | "length" | "stop"
+    # BatchGenerator.generate(keep_hidden=True): the target's last hidden states at every position of
+    # prompt + answer but the last, [len(prompt_ids) + len(token_ids) - 1, dim]
+    hidden_states: "torch.Tensor | None" = None
 
 
 def eos_ids(model, tokenizer) -> set[int]:
