@@ -364,7 +364,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")
     t.add_argument("--skip", type=int, default=0,
                    help="leave out the first N prompts of each category (keep them for evaluation: bench --limit N)")
-    t.add_argument("--batch-size", type=int, default=8, help="prompts answered per generate call (data generation)")
+    t.add_argument("--batch-size", type=int, default=8, help="rows decoded together in data generation (continuous batching)")
     t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1)
