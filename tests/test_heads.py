@@ -218,3 +218,73 @@ def test_dynamic_tree_with_prefix_layer_and_draft_vocab_is_exact(tok):
     drafter = DynamicHeadDrafter(heads, model.get_input_embeddings(), nodes=10, depth=3, topk=3)
     res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=20)
     assert res.token_ids == ref.token_ids
+
+
+class _FixedTree:
+    """An inner drafter with a fixed tree, recording what it observes."""
+
+    name, needs_hidden, max_nodes = "fixed", False, 3
+
+    def __init__(self, tokens, parents):
+        self.tokens, self.parents, self.seen = tokens, parents, []
+
+    def start(self, state, capacity):
+        pass
+
+    def propose(self, state):
+        from hydraspec.tree import DraftTree
+
+        return DraftTree(torch.tensor(self.tokens), tuple(self.parents))
+
+    def observe(self, state, accepted):
+        self.seen.append(list(accepted))
+
+
+def test_lookup_hybrid_merges_the_chain_into_the_tree():
+    from hydraspec.drafters.base import DecodeState
+    from hydraspec.drafters.hybrid import LookupHybridDrafter
+    from hydraspec.drafters.prompt_lookup import PromptLookupDrafter
+    from hydraspec.sampling import Sampling
+
+    inner = _FixedTree([7, 8, 9], [-1, -1, 0])  # 7 -> 9, and 8
+    hyb = LookupHybridDrafter(inner, PromptLookupDrafter(num_tokens=3, dynamic=False))
+    # context ... 1 2 | 7 9 4 ... 1 2: lookup proposes 7 9 4; 7 and 9 exist in the tree, 4 hangs under 9
+    state = DecodeState(tokens=[1, 2, 7, 9, 4, 5, 1, 2], prompt_len=8, sampling=Sampling())
+    hyb.start(state, 100)
+    tree = hyb.propose(state)
+    assert tree.tokens.tolist() == [7, 8, 9, 4] and tree.parents == (-1, -1, 0, 2)
+    hyb.observe(state, [0, 2, 3])  # the whole chain was accepted
+    assert inner.seen[-1] == [0, 2]
+    # a chain that leaves the tree at once: 5 is not a root child, so all its tokens are new nodes
+    state = DecodeState(tokens=[3, 5, 6, 3], prompt_len=4, sampling=Sampling())
+    hyb.lookup.min_ngram = 1
+    tree = hyb.propose(state)
+    assert tree.tokens.tolist() == [7, 8, 5, 9, 6, 3] and tree.parents == (-1, -1, -1, 0, 2, 4)
+    hyb.observe(state, [2, 4])
+    assert inner.seen[-1] == []
+    # sampling: one drafter's tree whole (the lookup chain when there is one)
+    state = DecodeState(tokens=[3, 5, 6, 3], prompt_len=4, sampling=Sampling(temperature=0.7))
+    assert hyb.propose(state).tokens.tolist() == [5, 6, 3]
+    state = DecodeState(tokens=[3, 5, 6, 4], prompt_len=4, sampling=Sampling(temperature=0.7))
+    assert hyb.propose(state).tokens.tolist() == [7, 8, 9]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_lookup_hybrid_drafters_are_exact(kind, tok):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    prompt = [5, 9, 2, 7, 7, 1, 5, 9, 2]
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=24)
+    heads = build_heads(kind.rstrip("+"), model, num_heads=4, prefix_layer=kind == "hydra++")
+    _perturb(heads)
+    drafter = make_drafter(f"pld+{kind}", heads=heads, embed=model.get_input_embeddings(), tree=TREE,
+                           pld_tokens=6)
+    assert drafter.name == f"pld+{kind.rstrip('+')}" and drafter.max_nodes == len(TREE) + 6
+    res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=24)
+    assert res.token_ids == ref.token_ids
+    # with an oracle inner drafter, the merged tree still accepts the heads' right chains
+    onehot = lambda ids: torch.nn.functional.one_hot(ids, model.config.vocab_size).float()  # noqa: E731
+    from hydraspec.drafters.hybrid import LookupHybridDrafter
+
+    oracle = LookupHybridDrafter(OracleDrafter(OracleHeads(model, "medusa", 4), onehot, TREE))
+    res = SpeculativeGenerator(model, tok, oracle).generate(input_ids=prompt, max_new_tokens=24)
+    assert res.token_ids == ref.token_ids and res.stats.mean_accepted > 3.0

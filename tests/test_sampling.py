@@ -260,16 +260,23 @@ E2E_VOCAB = 24
 @pytest.mark.parametrize("method,sampling,n", [
     ("draft-tree", dict(temperature=0.7, top_k=5), 600),
     ("pld", dict(temperature=0.7, top_p=0.8), 500),
+    ("pld+hydra", dict(temperature=0.7, top_p=0.8), 500),
 ])
 def test_generator_two_tokens_follow_target(method, sampling, n):
     tok = tiny.make_tokenizer(E2E_VOCAB)
     model = tiny.cached_model("llama", "sdpa", 7, vocab=E2E_VOCAB, hidden=32, layers=1, init_range=0.2)
-    if method == "pld":
+    if method.startswith("pld"):
         # prompt [3, 5, c, 3, 5]: prompt lookup proposes c, 3; pick the c the target most expects there
         # so that the deterministic draft is accepted some of the time
         c = max(range(E2E_VOCAB), key=lambda c: float(tiny.full_logits(model, [3, 5, c, 3, 5])[-1, c]))
         prompt = [3, 5, c, 3, 5]
         drafter = make_drafter("pld", num_tokens=2)
+        if method == "pld+hydra":  # lookup where it matches, sampled Hydra heads elsewhere
+            from hydraspec.heads import build_heads
+
+            heads = build_heads("hydra", model, num_heads=2)
+            drafter = make_drafter(method, heads=heads, embed=model.get_input_embeddings(),
+                                   tree=[[0], [1], [0, 0]], pld_tokens=2)
     else:
         prompt = [3, 5, 7, 11]
         drafter = make_drafter("draft", tiny.noisy_copy(model, 0.5, seed=8), widths=[2, 2])

@@ -859,9 +859,12 @@ def cmd_generate_batch(args) -> int:
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
+    if args.method.startswith("pld+"):
+        raise HydraspecError(f"method '{args.method}' is not available with --batch-size; use pld or "
+                             f"{args.method[4:]} there")
     if args.method == "draft" and not args.draft_model:
         raise HydraspecError("method 'draft' needs --draft-model")
-    if args.method in ("medusa", "hydra") and not args.heads:
+    if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     trees = load_batch_trees(getattr(args, "batch_trees", None))
     torch.set_num_threads(max(1, os.cpu_count() or 1))

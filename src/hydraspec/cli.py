@@ -77,17 +77,21 @@ def build_drafter(args, target_tok, draft=None, model=None):
     method = args.method
     if method not in METHODS:
         raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")
-    if method in ("medusa", "hydra", "hydra++"):
+    if method.removeprefix("pld+") in ("medusa", "hydra", "hydra++"):
         from .heads import load_heads
         from .tree import load_tree_spec
 
         if not args.heads:
             raise HydraspecError(f"method '{method}' needs --heads DIR")
         heads, cfg = load_heads(args.heads, model, base_model=args.model)
+        lookup = {}
+        if method.startswith("pld+"):
+            lookup = dict(pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram, pld_min_ngram=args.pld_min_ngram)
         if is_dynamic(args):
-            return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), **dynamic_options(args))
+            return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), **dynamic_options(args),
+                                **lookup)
         tree = load_tree_spec(args.tree, max_depth=heads.num_heads) if args.tree else cfg.get("default_tree")
-        return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=tree)
+        return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=tree, **lookup)
     if method == "pld":
         return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram,
                             min_ngram=args.pld_min_ngram)
@@ -159,7 +163,7 @@ def cmd_generate(args) -> int:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method == "draft" and not args.draft_model:
         raise HydraspecError("method 'draft' needs --draft-model")
-    if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
+    if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -324,7 +328,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer one prompt")
     add_model_args(g)
-    g.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++")
+    g.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++ | "
+                   "pld+medusa | pld+hydra | pld+hydra++ (prompt lookup merged into the heads' tree)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")

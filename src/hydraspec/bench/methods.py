@@ -192,10 +192,15 @@ def _heads(method: str):
         from ..drafters import make_drafter
         from ..heads import load_heads
 
-        heads, cfg = load_heads(pick_heads(ctx.heads, method), ctx.model, base_model=ctx.args.model)
+        heads, cfg = load_heads(pick_heads(ctx.heads, method.removeprefix("pld+")), ctx.model,
+                                base_model=ctx.args.model)
         spec = getattr(ctx.args, "tree", None)
         opts = _tree_options(ctx.args, heads.num_heads) if spec else {"tree": cfg.get("default_tree")}
-        kind = "hydra" if method == "hydra++" else method
+        base = method.removeprefix("pld+")
+        kind = "hydra" if base == "hydra++" else base
+        if method.startswith("pld+"):
+            kind = method
+            opts["pld_tokens"] = ctx.args.pld_tokens
         drafter = make_drafter(kind, heads=heads, embed=ctx.model.get_input_embeddings(), **opts)
         return EngineRunner(ctx, drafter)
 
@@ -279,6 +284,11 @@ register(MethodSpec("hydra", _heads("hydra"), "hydraspec with Hydra heads (--hea
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hydra++", _heads("hydra++"), "hydraspec with Hydra++ heads: prefix layer, distilled (--heads)",
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
+for _m in ("medusa", "hydra", "hydra++"):
+    register(MethodSpec(f"pld+{_m}", _heads(f"pld+{_m}"),
+                        f"hydraspec with prompt lookup merged into the {_m} heads' tree (--heads, --pld-tokens)",
+                        needs_heads=True, settings=("heads", "pld_tokens", "tree", "tree_nodes", "tree_depth",
+                                                    "tree_topk")))
 register(MethodSpec("hf-ar", _hf("ar"), "transformers generate(), plain decoding"))
 register(MethodSpec("hf-assisted", _hf("assisted"), "transformers assisted generation with --draft-model",
                     needs_draft=True, settings=("draft_model",)))

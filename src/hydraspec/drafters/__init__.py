@@ -5,19 +5,31 @@ from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
 from .prompt_lookup import PromptLookupDrafter
 
-METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++")
+METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++", "pld+medusa", "pld+hydra", "pld+hydra++")
+HEAD_METHODS = ("medusa", "hydra", "hydra++")
 
 
 def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
                  **options) -> Drafter:
     """Build the drafter for a method name: 'ar' (none), 'draft' (needs draft_model), 'pld', 'medusa' /
-    'hydra' (heads=, embed=).
+    'hydra' / 'hydra++' (heads=, embed=); 'pld+medusa' / 'pld+hydra' / 'pld+hydra++': prompt lookup merged
+    into the heads' tree (pld_tokens=, pld_ngram=, pld_min_ngram= for the lookup).
 
     tree= (draft, medusa, hydra): a list of rank paths, a tree.json file / its dict (from `hydraspec
     build-tree`), or "dynamic" for a dynamic tree of tree_nodes nodes, tree_depth levels and tree_topk
     children per expanded node."""
     from .dynamic import parse_dynamic
 
+    if method.startswith("pld+") and method in METHODS:
+        from .hybrid import LookupHybridDrafter
+
+        lk = {k: options.pop(f"pld_{k}") for k in ("tokens", "ngram", "min_ngram") if options.get(f"pld_{k}") is not None}
+        for k in ("pld_tokens", "pld_ngram", "pld_min_ngram"):
+            options.pop(k, None)
+        lookup = PromptLookupDrafter(num_tokens=lk.get("tokens", 10), max_ngram=lk.get("ngram", 3),
+                                     min_ngram=lk.get("min_ngram", 2))
+        inner = make_drafter(method[4:], draft_model, target_tokenizer, draft_tokenizer, **options)
+        return LookupHybridDrafter(inner, lookup)
     tree = options.pop("tree", None)
     dyn = {k: options.pop(k) for k in ("tree_nodes", "tree_depth", "tree_topk") if options.get(k) is not None}
     dyn = {k.removeprefix("tree_"): v for k, v in dyn.items()}
