@@ -37,9 +37,20 @@ native = pytest.mark.skipif(__import__("hydraspec.kernels", fromlist=["native_li
                             reason="native bf16 kernel not built here (no AVX-512 or no C compiler)")
 
 
+@pytest.fixture(params=["fp32", "bf16-dot"])
+def kernel_path(request, monkeypatch):
+    """Both paths of the bf16 kernel: fp32 FMA, and vdpbf16ps where the CPU has AVX512_BF16."""
+    from hydraspec import kernels
+    want = request.param == "bf16-dot"
+    if want and not (kernels.native_lib() is not None and " avx512_bf16" in open("/proc/cpuinfo").read()):
+        pytest.skip("no AVX512_BF16 on this CPU")
+    monkeypatch.setattr(kernels, "bf16_dot", lambda: want)
+    return request.param
+
+
 @native
 @pytest.mark.parametrize("in_features", [64, 40, 7])  # multiples of 16 and masked tails
-def test_native_bf16_kernel_matches_fp32_reference(in_features):
+def test_native_bf16_kernel_matches_fp32_reference(in_features, kernel_path):
     from hydraspec.kernels import native_linear_bf16
     torch.manual_seed(1)
     w = torch.randn(37, in_features).bfloat16()
@@ -52,7 +63,7 @@ def test_native_bf16_kernel_matches_fp32_reference(in_features):
 
 
 @native
-def test_native_bf16_rows_do_not_depend_on_their_neighbours():
+def test_native_bf16_rows_do_not_depend_on_their_neighbours(kernel_path):
     """A verify step computes a token beside others; with this kernel its projection is bit-identical
     to computing it alone, which keeps bf16 speculative output closer to plain decoding."""
     from hydraspec.kernels import native_linear_bf16
@@ -66,11 +77,12 @@ def test_native_bf16_rows_do_not_depend_on_their_neighbours():
 
 
 @native
-def test_packed_linear_uses_native_kernel_for_bf16():
+def test_packed_linear_uses_native_kernel_for_bf16(kernel_path):
     torch.manual_seed(3)
     lin = nn.Linear(48, 24, bias=True).to(torch.bfloat16)
     packed = PackedLinear(lin)
-    assert packed.native and packed.packed.shape == (1, 48, 32)  # one zero-padded block of 32 outputs
+    # one zero-padded block of 32 outputs, in input pairs for vdpbf16ps
+    assert packed.native and packed.packed.shape == ((1, 48, 32) if kernel_path == "fp32" else (1, 24, 32, 2))
     with torch.inference_mode():
         for rows in (1, 6, 13, 250):  # one row block, a partial one, many
             x = torch.randn(2, rows, 48, dtype=torch.bfloat16)
