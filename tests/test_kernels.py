@@ -42,7 +42,7 @@ def kernel_path(request, monkeypatch):
     """Both paths of the bf16 kernel: fp32 FMA, and vdpbf16ps where the CPU has AVX512_BF16."""
     from hydraspec import kernels
     want = request.param == "bf16-dot"
-    if want and not (kernels.native_lib() is not None and " avx512_bf16" in open("/proc/cpuinfo").read()):
+    if want and not (kernels.native_lib() is not None and "avx512_bf16" in kernels._cpu_flags()):
         pytest.skip("no AVX512_BF16 on this CPU")
     monkeypatch.setattr(kernels, "bf16_dot", lambda: want)
     return request.param

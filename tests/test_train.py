@@ -50,8 +50,17 @@ def test_loss_matches_hand_computation():
     torch.testing.assert_close(loss_t, expected)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_training_on_self_distilled_data_improves_heads(kind, tok, tmp_path):
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    from hydraspec.train.trainer import lr_factor
+    f = [lr_factor(s, 1000) for s in range(1000)]
+    assert f[0] == pytest.approx(1 / 30) and f[29] == pytest.approx(1.0)  # 3 % linear warm-up
+    assert all(a >= b for a, b in zip(f[29:], f[30:]))  # then never rises
+    assert f[-1] == pytest.approx(0.1, abs=1e-4) and f[515] == pytest.approx(0.55, abs=0.01)  # cosine to 0.1
+    assert lr_factor(0, 1) == 1.0
+
+
+@pytest.mark.parametrize("kind,train_dtype", [("medusa", "float32"), ("hydra", "float32"), ("hydra", "bfloat16")])
+def test_training_on_self_distilled_data_improves_heads(kind, train_dtype, tok, tmp_path):
     model = tiny.cached_model("llama", "sdpa", 1)
     questions = [(i, [" ".join(f"w{(i * 7 + j * 3) % 90}" for j in range(6))]) for i in range(12)]
     data = tmp_path / "answers.jsonl"
@@ -62,8 +71,8 @@ def test_training_on_self_distilled_data_improves_heads(kind, tok, tmp_path):
 
     fresh = build_heads(kind, model, num_heads=3)
     before = evaluate(fresh, model, rows)
-    train_heads(model, data, tmp_path / "heads", kind=kind, base_name="tiny", num_heads=3, epochs=12, lr=3e-3,
-                heldout=0.0, progress=False)
+    train_heads(model, data, tmp_path / "heads", kind=kind, base_name="tiny", num_heads=3, epochs=12, lr=6e-3,
+                heldout=0.0, progress=False, train_dtype=train_dtype)
     heads, cfg = load_heads(tmp_path / "heads", model, base_model="tiny")
     after = evaluate(heads, model, rows)
     assert after[0]["top1"] > before[0]["top1"] + 0.2, (before, after)
@@ -113,7 +122,7 @@ def test_draft_vocab_training_maps_targets_and_improves(tok, tmp_path):
     data = tmp_path / "answers.jsonl"
     answer_prompts(model, tok, questions, data, max_new_tokens=20, progress=False, batch_size=4)
     rows = load_answers(data)
-    train_heads(model, data, tmp_path / "h", kind="medusa", base_name="tiny", num_heads=2, epochs=10, lr=3e-3,
+    train_heads(model, data, tmp_path / "h", kind="medusa", base_name="tiny", num_heads=2, epochs=10, lr=6e-3,
                 heldout=0.0, progress=False, draft_vocab=24)
     heads, cfg = load_heads(tmp_path / "h", model)
     assert heads.subset.numel() == 24 and 0 < cfg["draft_vocab_coverage"] <= 1

@@ -238,6 +238,9 @@ def cmd_train_heads(args) -> int:
     answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                    base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
     t_data = time.perf_counter() - t0
+    if args.data_only:
+        print(f"data generation {t_data / 60:.1f} min; answers in {data}", file=sys.stderr)
+        return 0
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
         kind, distill, layers, prefix = "hydra", True, max(layers, 4), True
@@ -249,7 +252,8 @@ def cmd_train_heads(args) -> int:
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
                       cache_bytes=cache_bytes, joint=args.joint,
-                      warmup_epochs=args.warmup_epochs, lm_weight=args.lm_weight, base_lr=args.base_lr)
+                      warmup_epochs=args.warmup_epochs, lm_weight=args.lm_weight, base_lr=args.base_lr,
+                      train_dtype=args.train_dtype)
     if args.joint:
         tok.save_pretrained(os.path.join(out, "base"))
     print(f"data generation {t_data / 60:.1f} min, training {(time.perf_counter() - t0 - t_data) / 60:.1f} min",
@@ -371,10 +375,14 @@ def make_parser() -> argparse.ArgumentParser:
                    help="leave out the first N prompts of each category (keep them for evaluation: bench --limit N)")
     t.add_argument("--batch-size", type=int, default=8, help="rows decoded together in data generation (continuous batching)")
     t.add_argument("--max-new-tokens", type=int, default=256)
+    t.add_argument("--data-only", action="store_true",
+                   help="stop after data generation (answers and base cache), e.g. to train several kinds on it")
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1)
     t.add_argument("--epochs", type=int, default=2)
-    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine to a tenth)")
+    t.add_argument("--train-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="heads' matmuls under bf16 autocast (auto: where the CPU/GPU computes bf16 natively)")
     t.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="heads project onto the N most frequent answer tokens only (cheaper drafting and "
                         "training; exactness unchanged); 0 = the whole vocabulary")

@@ -37,12 +37,17 @@ from torch import nn
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-shared", "-fPIC"]
 
 
-def _cpu_has_avx512() -> bool:
+@lru_cache(maxsize=1)
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512f" in flags and " avx512bw" in flags and " avx512vl" in flags
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def _cpu_has_avx512() -> bool:
+    return {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
 
 
 @lru_cache(maxsize=1)
@@ -95,16 +100,17 @@ def native_lib():
     return lib
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
 @lru_cache(maxsize=1)
 def bf16_dot() -> bool:
     """Whether bf16 weights use the kernel's AVX512_BF16 path (vdpbf16ps: bf16 pairs into fp32, twice the
     arithmetic per instruction of the fp32 path); HYDRASPEC_BF16_DOT=0 keeps the fp32 path."""
-    if os.environ.get("HYDRASPEC_BF16_DOT", "1") == "0" or native_lib() is None:
-        return False
-    try:
-        return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return os.environ.get("HYDRASPEC_BF16_DOT", "1") != "0" and native_lib() is not None and \
+        "avx512_bf16" in _cpu_flags()
 
 
 PACK_BLOCK = 32  # outputs per packed block (OB in csrc/bf16_linear.c)

@@ -54,6 +54,34 @@ def _project(model, hidden: torch.Tensor, subset: torch.Tensor | None = None) ->
     return logits
 
 
+def lr_factor(step: int, total: int, warmup: float = 0.03, floor: float = 0.1) -> float:
+    """Learning-rate multiplier at `step` of `total`: linear warm-up, then cosine decay to `floor`."""
+    import math
+
+    w = max(1, int(total * warmup))
+    if step < w:
+        return (step + 1) / w
+    t = min(1.0, (step - w) / max(1, total - w))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def autocast_dtype(device: torch.device, train_dtype: str):
+    """The autocast dtype for head training (None: plain fp32)."""
+    if train_dtype == "float32":
+        return None
+    if train_dtype == "bfloat16":
+        return torch.bfloat16
+    if train_dtype != "auto":
+        raise HydraspecError(f"unknown training dtype {train_dtype!r}; use auto, float32 or bfloat16")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if device.type == "cpu":
+        from ..kernels import cpu_has_bf16
+
+        return torch.bfloat16 if cpu_has_bf16() else None
+    return None
+
+
 class BaseOutputs:
     """The frozen base model's last hidden states per training sequence ([T - 1, dim], see
     :func:`_base_hidden`), computed once and then reused by every epoch, every training that shares the
@@ -180,7 +208,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
                 heldout: float = 0.1, max_len: int = 1024, seed: int = 0, progress: bool = True,
                 prefix_layer: bool = False, extra_config: dict | None = None, draft_vocab: int | None = None,
                 cache_bytes: int = 4 << 30, joint: bool = False, warmup_epochs: int = 1, lm_weight: float = 0.01,
-                base_lr: float | None = None) -> dict:
+                base_lr: float | None = None, train_dtype: str = "auto") -> dict:
     """Train draft heads on the answers in `data_path` and save them (and the training log) in `out_dir`.
 
     joint=True is Medusa-2: the heads train alone for `warmup_epochs`, then the base model's decoder
@@ -190,7 +218,12 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     0.01 then; 0.2 with a plain LM loss on human data). The embeddings and lm_head stay frozen (the
     heads share the lm_head). The tuned base is saved in OUT/base and is the model these heads must
     draft for (their config names it). Needs the base in float32 and the original states of every
-    sequence in the base cache."""
+    sequence in the base cache.
+
+    The learning rate warms up linearly over the first 3 % of the steps and then follows a cosine down
+    to a tenth (:func:`lr_factor`). train_dtype "bfloat16" runs the heads' matmuls under bf16 autocast
+    (the parameters and the optimizer stay fp32); "auto" does so where the hardware computes bf16
+    natively (CUDA, or a CPU with AVX512_BF16)."""
     from accelerate import Accelerator
 
     out = Path(out_dir)
@@ -224,13 +257,18 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     if tuned:
         groups.append({"params": list(tuned.values()), "lr": base_lr if base_lr is not None else lr / 4})
     opt = torch.optim.AdamW(groups)
+    steps_total = max(1, epochs * len(train))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, steps_total))
     heads, opt = acc.prepare(heads, opt)
+    amp = autocast_dtype(model.device, train_dtype)
     state_path, start_epoch = out / "train_state.pt", 0
     if state_path.exists():  # resume
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         acc.unwrap_model(heads).load_state_dict(st["heads"])
         opt.load_state_dict(st["opt"])
         start_epoch = st["epoch"]
+        if st.get("sched"):
+            sched.load_state_dict(st["sched"])
         if st.get("base"):
             with torch.no_grad():
                 for n, v in st["base"].items():
@@ -268,13 +306,15 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
                 cur = _project(model, hidden[ans])
                 kl = F.kl_div(cur.log_softmax(-1), orig.log_softmax(-1), log_target=True, reduction="batchmean")
             hm = acc.unwrap_model(heads)
-            loss, _ = heads_loss(hm, hm.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed,
-                                 teacher_logits=teacher)
+            with torch.autocast(model.device.type, dtype=amp, enabled=amp is not None):
+                loss, _ = heads_loss(hm, hm.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed,
+                                     teacher_logits=teacher)
             if kl is not None:
                 loss = loss + lm_weight * kl
                 kl_sum += float(kl.detach())
             acc.backward(loss)
             opt.step()
+            sched.step()
             opt.zero_grad()
             lv = float(loss.detach())
             running = 0.9 * running + 0.1 * lv if i else lv
@@ -294,6 +334,6 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             extra["joint"] = {"original_base": base_name, "warmup_epochs": warmup_epochs, "lm_weight": lm_weight,
                               "base_lr": groups[1]["lr"], "base_dir": "base"}
         save_heads(h, out, base_model=name, kind_detail={"distill": distill, "epochs": epoch + 1}, **extra)
-        torch.save({"heads": h.state_dict(), "opt": opt.state_dict(), "epoch": epoch + 1,
+        torch.save({"heads": h.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "epoch": epoch + 1,
                     "base": {n: p.detach().clone() for n, p in tuned.items()} if both else None}, state_path)
     return {"train": len(train), "heldout": len(test), "log": str(log)}
