@@ -262,3 +262,29 @@ def test_distillation_with_a_draft_vocabulary_trains(tok, tmp_path):
     part, _ = heads_loss(heads, hidden, ids, P, embed=model.get_input_embeddings(),
                          teacher_logits=teacher_logits(model, hidden, heads.subset))
     torch.testing.assert_close(full, part)
+
+
+def test_gradient_accumulation_averages_over_sequences(tok, tmp_path):
+    """accum=3 over three copies of one sequence takes the same single step as accum=1 over one copy
+    (each sequence's loss weighted 1 / accum); a sequence whose prompt fills max_len is left out."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    data = tmp_path / "one.jsonl"
+    answer_prompts(model, tok, [("a", ["w1 w2 w3 w4"])], data, max_new_tokens=16, progress=False)
+    row = load_answers(data)[0]
+    long = {"id": "long", "prompt_ids": list(range(5, 45)), "answer_ids": [7, 8, 9]}
+    three = tmp_path / "three.jsonl"
+    three.write_text("".join(json.dumps({**row, "id": f"c{i}"}) + "\n" for i in range(3)) + json.dumps(long) + "\n")
+    torch.manual_seed(0)
+    train_heads(model, data, tmp_path / "h1", kind="hydra", num_heads=2, epochs=1, lr=1e-2, heldout=0.0,
+                progress=False, train_dtype="float32", accum=1, max_len=32)
+    torch.manual_seed(0)
+    train_heads(model, three, tmp_path / "h3", kind="hydra", num_heads=2, epochs=1, lr=1e-2, heldout=0.0,
+                progress=False, train_dtype="float32", accum=3, max_len=32)
+    h1, _ = load_heads(tmp_path / "h1", model)
+    h3, _ = load_heads(tmp_path / "h3", model)
+    fresh = build_heads("hydra", model, num_heads=2)
+    moved = False
+    for (name, a), b, c in zip(h1.state_dict().items(), h3.state_dict().values(), fresh.state_dict().values()):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-4, msg=name)
+        moved |= not torch.allclose(a.float(), c.float())
+    assert moved  # the step did change the heads

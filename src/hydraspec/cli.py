@@ -253,7 +253,7 @@ def cmd_train_heads(args) -> int:
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
                       cache_bytes=cache_bytes, joint=args.joint,
                       warmup_epochs=args.warmup_epochs, lm_weight=args.lm_weight, base_lr=args.base_lr,
-                      train_dtype=args.train_dtype)
+                      train_dtype=args.train_dtype, accum=args.grad_accum)
     if args.joint:
         tok.save_pretrained(os.path.join(out, "base"))
     print(f"data generation {t_data / 60:.1f} min, training {(time.perf_counter() - t0 - t_data) / 60:.1f} min",
@@ -381,6 +381,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-layers", type=int, default=1)
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine to a tenth)")
+    t.add_argument("--grad-accum", type=int, default=4, metavar="N", help="sequences per optimizer step (default 4)")
     t.add_argument("--train-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="heads' matmuls under bf16 autocast (auto: where the CPU/GPU computes bf16 natively)")
     t.add_argument("--draft-vocab", type=int, default=0, metavar="N",

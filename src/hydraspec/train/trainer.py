@@ -65,6 +65,14 @@ def lr_factor(step: int, total: int, warmup: float = 0.03, floor: float = 0.1) -
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def _fused(device: torch.device) -> dict:
+    """AdamW's fused kernel where this torch has it for the device (one pass over each parameter)."""
+    import inspect
+
+    return {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
+        device.type in ("cpu", "cuda") else {}
+
+
 def autocast_dtype(device: torch.device, train_dtype: str):
     """The autocast dtype for head training (None: plain fp32)."""
     if train_dtype == "float32":
@@ -208,7 +216,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
                 heldout: float = 0.1, max_len: int = 1024, seed: int = 0, progress: bool = True,
                 prefix_layer: bool = False, extra_config: dict | None = None, draft_vocab: int | None = None,
                 cache_bytes: int = 4 << 30, joint: bool = False, warmup_epochs: int = 1, lm_weight: float = 0.01,
-                base_lr: float | None = None, train_dtype: str = "auto") -> dict:
+                base_lr: float | None = None, train_dtype: str = "auto", accum: int = 1) -> dict:
     """Train draft heads on the answers in `data_path` and save them (and the training log) in `out_dir`.
 
     joint=True is Medusa-2: the heads train alone for `warmup_epochs`, then the base model's decoder
@@ -223,12 +231,15 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     The learning rate warms up linearly over the first 3 % of the steps and then follows a cosine down
     to a tenth (:func:`lr_factor`). train_dtype "bfloat16" runs the heads' matmuls under bf16 autocast
     (the parameters and the optimizer stay fp32); "auto" does so where the hardware computes bf16
-    natively (CUDA, or a CPU with AVX512_BF16)."""
+    natively (CUDA, or a CPU with AVX512_BF16). The optimizer steps once per `accum` sequences (their
+    gradients summed, each sequence's loss weighted 1 / accum): an AdamW step over the heads' parameters
+    costs about as much as a sequence's forward and backward on a CPU."""
     from accelerate import Accelerator
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in load_answers(data_path) if r["answer_ids"]]
+    # a sequence needs an answer token at least 2 places after the prompt, inside max_len, to train on
+    rows = [r for r in load_answers(data_path) if r["answer_ids"] and len(r["prompt_ids"]) + 2 <= max_len]
     train = [r for r in rows if not is_heldout(r["id"], heldout)]
     test = [r for r in rows if is_heldout(r["id"], heldout)]
     model.requires_grad_(False)
@@ -256,8 +267,10 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": lr}]
     if tuned:
         groups.append({"params": list(tuned.values()), "lr": base_lr if base_lr is not None else lr / 4})
-    opt = torch.optim.AdamW(groups)
-    steps_total = max(1, epochs * len(train))
+    if accum < 1:
+        raise HydraspecError("grad_accum must be at least 1")
+    opt = torch.optim.AdamW(groups, **_fused(model.device))
+    steps_total = max(1, epochs * -(-len(train) // accum))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, steps_total))
     heads, opt = acc.prepare(heads, opt)
     amp = autocast_dtype(model.device, train_dtype)
@@ -312,10 +325,11 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             if kl is not None:
                 loss = loss + lm_weight * kl
                 kl_sum += float(kl.detach())
-            acc.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
+            acc.backward(loss / accum)
+            if (i + 1) % accum == 0 or i + 1 == len(order):
+                opt.step()
+                sched.step()
+                opt.zero_grad()
             lv = float(loss.detach())
             running = 0.9 * running + 0.1 * lv if i else lv
             bar.set_postfix(loss=f"{running:.3f}")
