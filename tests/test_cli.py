@@ -130,6 +130,14 @@ def test_train_heads_command(saved, tmp_path, capsys):
     rc, _, err = run(capsys, "train-heads", "--model", str(saved / "target"), "--kind", "medusa", "--out",
                      str(tmp_path / "x"))
     assert rc == 2 and "--docstring-prompts" in err
+    # --data alone: train on the answers file as it is, generating nothing
+    rc, _, err = run(capsys, "train-heads", "--model", str(saved / "target"), "--dtype", "float32", "--kind", "hydra",
+                     "--data", str(out / "answers.jsonl"), "--out", str(tmp_path / "reuse"), "--epochs", "1",
+                     "--num-heads", "2", "--grad-accum", "2")
+    assert rc == 0, err
+    assert len((out / "answers.jsonl").read_text().splitlines()) == 7
+    cfg = json.loads((tmp_path / "reuse" / "config.json").read_text())
+    assert cfg["train_prompts"]["answers_by_source"] == {"p": 5, "doc": 2}
     # Medusa-2 changes the base: refused for a bf16 base, with a one-line message
     rc, _, err = run(capsys, "train-heads", "--model", str(saved / "target"), "--dtype", "bfloat16", "--kind",
                      "medusa", "--joint", "--epochs", "2", "--prompts", str(prompts), "--data",

@@ -215,8 +215,12 @@ def cmd_train_heads(args) -> int:
         raise HydraspecError("--epochs, --num-heads and --num-layers must be at least 1")
     if args.cache_gb < 0:
         raise HydraspecError("--cache-gb must be 0 or more")
-    if not args.prompts and not args.docstring_prompts:
-        raise HydraspecError("give --prompts FILE... and/or --docstring-prompts N")
+    reuse = not args.prompts and not args.docstring_prompts  # train on an existing answers file as it is
+    if reuse and not (args.data and os.path.exists(args.data)):
+        raise HydraspecError("give --prompts FILE... and/or --docstring-prompts N (or --data with an existing "
+                             "answers file to train on as it is)")
+    if reuse and args.data_only:
+        raise HydraspecError("--data-only needs prompts to answer")
     questions = load_questions(args.prompts, limit=args.limit, skip=args.skip) if args.prompts else []
     pairs = [(f"{q.source}-{q.question_id}", q.turns) for q in questions]
     if args.docstring_prompts:
@@ -227,8 +231,11 @@ def cmd_train_heads(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
     out = args.out
     data = args.data or os.path.join(out, "answers.jsonl")
-    print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts or ['-'])}"
-          f" + {len(pairs) - len(questions)} docstring prompts -> {data}", file=sys.stderr)
+    if reuse:
+        print(f"self-distillation data: the answers already in {data} (no new prompts)", file=sys.stderr)
+    else:
+        print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts or ['-'])}"
+              f" + {len(pairs) - len(questions)} docstring prompts -> {data}", file=sys.stderr)
     if args.batch_size < 1:
         raise HydraspecError("--batch-size must be at least 1")
     t0 = time.perf_counter()
@@ -244,10 +251,19 @@ def cmd_train_heads(args) -> int:
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
         kind, distill, layers, prefix = "hydra", True, max(layers, 4), True
-    used = {"train_prompts": {"files": [os.path.basename(p) for p in args.prompts], "skip_per_category": args.skip,
-                              "limit_per_category": args.limit, "questions": len(questions),
-                              "docstring_prompts": len(pairs) - len(questions)},
-            "variant": args.kind}
+    if reuse:  # what the answers file holds, by prompt source
+        from collections import Counter
+
+        from .train.data import load_answers
+
+        answered = Counter(str(r["id"]).split(".")[0].rsplit("-", 1)[0] for r in load_answers(data))
+        used = {"train_prompts": {"answers_file": os.path.basename(data), "answers_by_source": dict(answered)},
+                "variant": args.kind}
+    else:
+        used = {"train_prompts": {"files": [os.path.basename(p) for p in args.prompts or []],
+                                  "skip_per_category": args.skip, "limit_per_category": args.limit,
+                                  "questions": len(questions), "docstring_prompts": len(pairs) - len(questions)},
+                "variant": args.kind}
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
