@@ -321,3 +321,19 @@ def test_head_methods_in_the_bench(tiny, prompts, tmp_path):
     assert run_bench(args, loader=tiny) == 0
     s = json.loads((out / "results.json").read_text())["summary"]
     assert s["table"]["medusa"]["overall"]["identical_share"] == 1.0
+    # several trees side by side: NAME@TREE variants, each recorded with its own tree
+    (tmp_path / "t.json").write_text(json.dumps({"paths": [[0], [0, 0]]}))
+    out2 = tmp_path / "trees-run"
+    methods = f"ar,medusa@default,medusa@{tmp_path / 't.json'},medusa@dynamic"
+    assert run_bench(_bench_args(prompts, out2, methods, "--heads", str(tmp_path / "m"), "--tree-nodes", "4",
+                                 "--tree-depth", "2"), loader=tiny) == 0
+    data = json.loads((out2 / "results.json").read_text())
+    for m in methods.split(",")[1:]:
+        assert data["summary"]["table"][m]["overall"]["identical_share"] == 1.0, m
+    recs = [json.loads(x) for x in (out2 / "records.jsonl").read_text().splitlines()]
+    trees = {r["method"]: r["settings"]["tree"] for r in recs[1:] if r["method"] != "ar"}
+    assert trees["medusa@default"] is None and trees["medusa@dynamic"] == "dynamic"
+    assert trees[f"medusa@{tmp_path / 't.json'}"] == str(tmp_path / "t.json")
+    assert len(list((out2 / "answers").glob("*.jsonl"))) == 4
+    with pytest.raises(HydraspecError, match="only methods that take a tree"):
+        parse_methods("ar,pld@dynamic")

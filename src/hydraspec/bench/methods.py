@@ -65,6 +65,7 @@ class MethodSpec:
     needs_draft: bool = False
     needs_heads: bool = False
     settings: tuple[str, ...] = ()  # args attributes that change this method's answers or speed
+    tree: str | None = None  # a 'NAME@TREE' variant: its own --tree ('default': the drafter's own)
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -75,21 +76,52 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+def tree_variant(name: str) -> MethodSpec | None:
+    """'NAME@TREE' -> a registered variant of method NAME that uses its own tree (a tree.json file,
+    'dynamic' with the --tree-nodes/--tree-depth sizes, or 'default': the heads' default tree or the
+    draft model's chain), so that several trees can be compared in one bench run; None when NAME
+    takes no tree."""
+    base_name, _, tree = name.partition("@")
+    base = METHODS.get(base_name)
+    if base is None or not tree or "tree" not in base.settings or base.tree is not None:
+        return None
+    if name not in METHODS:
+        def factory(ctx: BenchContext, base=base, tree=tree) -> Runner:
+            import copy
+            import dataclasses
+
+            args = copy.copy(ctx.args)
+            args.tree = None if tree == "default" else tree
+            return base.factory(dataclasses.replace(ctx, args=args))
+
+        register(MethodSpec(name, factory, f"{base.help}; tree {tree}", base.needs_draft, base.needs_heads,
+                            base.settings, tree))
+    return METHODS[name]
+
+
 def parse_methods(text) -> list[str]:
-    """'ar,pld' (or a list) -> known method names, duplicates dropped, order kept."""
+    """'ar,pld' (or a list) -> known method names, duplicates dropped, order kept. A method that takes a
+    tree may be given as NAME@TREE (see :func:`tree_variant`)."""
     items = text.split(",") if isinstance(text, str) else list(text)
     names = list(dict.fromkeys(s.strip() for s in items if s and s.strip()))
     if not names:
-        raise HydraspecError(f"no methods given; known: {', '.join(METHODS)}")
+        raise HydraspecError(f"no methods given; known: {', '.join(m for m in METHODS if '@' not in m)}")
+    for n in names:
+        if "@" in n and tree_variant(n) is None:
+            raise HydraspecError(f"method {n!r}: only methods that take a tree accept @TREE "
+                                 f"({', '.join(m for m, s in METHODS.items() if 'tree' in s.settings and '@' not in m)})")
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise HydraspecError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}; "
-                             f"known: {', '.join(METHODS)}")
+                             f"known: {', '.join(m for m in METHODS if '@' not in m)}")
     return names
 
 
 def method_settings(name: str, args) -> dict:
-    s = {k: getattr(args, k, None) for k in METHODS[name].settings}
+    spec = METHODS[name]
+    s = {k: getattr(args, k, None) for k in spec.settings}
+    if spec.tree is not None:
+        s["tree"] = None if spec.tree == "default" else spec.tree
     # dynamic-tree sizes only matter with --tree dynamic, and a draft chain has no tree: leaving them out
     # keeps records made before --tree existed resumable
     if str(s.get("tree") or "").strip().lower() != "dynamic":

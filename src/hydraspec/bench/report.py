@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import platform
 import shlex
@@ -207,7 +208,7 @@ def write_all(out: Path, records, summary: dict, machine: dict, settings: dict, 
     plot(summary, paths["png"])
     base = Path(str(settings.get("model", "model")).rstrip("/")).name or "model"
     for m in summary["methods"]:
-        p = out / "answers" / f"{m}.jsonl"
+        p = out / "answers" / f"{re.sub(r'[^A-Za-z0-9+._@-]', '_', m)}.jsonl"  # NAME@path/tree.json: one file
         with open(p, "w", encoding="utf-8") as f:
             for row in answers(records, m, f"{base}-{m}"):
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
