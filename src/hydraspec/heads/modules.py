@@ -99,10 +99,18 @@ class Heads(nn.Module):
         base = self._shared[0]
         if self.subset is None:
             return base(x.to(base.weight.dtype))
-        w = self._shared_sub
-        if w is None or w.dtype != base.weight.dtype or w.device != base.weight.device:
-            w = self._shared_sub = base.weight.detach()[self.subset.to(base.weight.device)].contiguous()
-        return torch.nn.functional.linear(x.to(w.dtype), w)
+        lin = self._shared_sub[0] if self._shared_sub else None  # a tuple: not a registered submodule
+        if lin is None or lin.weight.dtype != base.weight.dtype or lin.weight.device != base.weight.device:
+            from ..kernels import PackedLinear
+
+            lin = nn.Linear(self.hidden, self.subset.numel(), bias=False, device=base.weight.device,
+                            dtype=base.weight.dtype)
+            lin.weight = nn.Parameter(base.weight.detach()[self.subset.to(base.weight.device)].contiguous(),
+                                      requires_grad=False)
+            if isinstance(base, PackedLinear):  # the base runs on the CPU kernels: so do these rows of it
+                lin = PackedLinear(lin)
+            self._shared_sub = (lin,)
+        return lin(x.to(lin.weight.dtype))
 
 
 class MedusaHeads(Heads):
