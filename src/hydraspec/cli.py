@@ -311,7 +311,9 @@ def cmd_build_tree(args) -> int:
     else:
         from .drafters import check_vocab
 
-        draft, dtok = load_model(args.draft_model, dtype=args.dtype, device=args.device)
+        from .models import load_draft_model
+
+        draft, dtok = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant)
         check_vocab(tok, dtok)
     gen = SpeculativeGenerator(model, tok)
     names = [f"{q.source}:{q.question_id}" for q in questions]
