@@ -427,6 +427,7 @@ def make_parser() -> argparse.ArgumentParser:
     src = b.add_mutually_exclusive_group(required=True)
     src.add_argument("--heads", help="trained Medusa/Hydra heads directory")
     src.add_argument("--draft-model", help="draft model sharing the target's tokenizer (its top-k tree)")
+    add_draft_quant_arg(b)
     b.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
                    help="calibration prompts (Spec-Bench jsonl, first turns); keep them apart from evaluation prompts")
     b.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")
