@@ -321,6 +321,8 @@ def test_head_methods_in_the_bench(tiny, prompts, tmp_path):
     assert run_bench(args, loader=tiny) == 0
     s = json.loads((out / "results.json").read_text())["summary"]
     assert s["table"]["medusa"]["overall"]["identical_share"] == 1.0
+    md = (out / "results.md").read_text()  # no hf-ar in the run: no table of n/a against it
+    assert "| medusa |" in md and "Speedup over hf-ar" not in md
     # several trees side by side: NAME@TREE variants, each recorded with its own tree
     (tmp_path / "t.json").write_text(json.dumps({"paths": [[0], [0, 0]]}))
     out2 = tmp_path / "trees-run"

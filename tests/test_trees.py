@@ -205,6 +205,21 @@ def test_build_tree_measures_and_picks_the_fastest(tok):
     assert len(measured) == 2
     assert res["nodes"] == max(measured, key=lambda r: r["measured_tokens_per_s"])["nodes"]
     assert len(res["paths"]) == res["nodes"] and res["drafter"]["kind"] == "draft"
+    for r in measured:  # the prefill is part of the end-to-end figure only
+        assert r["measured_decode_tokens_per_s"] > r["measured_tokens_per_s"] > 0
+        assert 1.0 <= r["measured_tokens_per_step"] <= r["depth"] + 1
+
+
+def test_build_tree_prediction_matches_decoding_with_an_exact_drafter(tok):
+    """A draft model equal to the target is always right: replay and real decoding both accept the
+    whole chain, depth + 1 tokens per step (12 new tokens = 3 steps of 4)."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    res = build_tree(model, tok, prompt_ids=[PROMPT], prompt_names=["p"], max_nodes=3, method="simulate",
+                     select="measure", draft_model=tiny.noisy_copy(model, 0.0), depth=3, max_new_tokens=12,
+                     confirm=3, reps=1, log=lambda m: None)
+    by_n = {r["nodes"]: r for r in res["sizes"]}
+    assert by_n[3]["expected_tokens_per_step"] == by_n[3]["measured_tokens_per_step"] == 4.0
+    assert by_n[1]["expected_tokens_per_step"] == by_n[1]["measured_tokens_per_step"] == 2.0
 
 
 def test_build_tree_per_batch_size_feeds_batch_trees(tok, tmp_path):

@@ -116,10 +116,12 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
         "",
         *_table(summary, "speedup_vs_ar"),
         "",
-        "## Speedup over hf-ar (transformers generate)",
-        "",
-        *_table(summary, "speedup_vs_hf_ar"),
-        "",
+        *([
+            "## Speedup over hf-ar (transformers generate)",
+            "",
+            *_table(summary, "speedup_vs_hf_ar"),
+            "",
+        ] if "hf-ar" in summary["methods"] else []),
         "## Tokens/s and mean accepted per category",
         "",
     ]
