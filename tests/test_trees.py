@@ -205,6 +205,9 @@ def test_build_tree_measures_and_picks_the_fastest(tok):
     assert len(measured) == 2
     assert res["nodes"] == max(measured, key=lambda r: r["measured_tokens_per_s"])["nodes"]
     assert len(res["paths"]) == res["nodes"] and res["drafter"]["kind"] == "draft"
+    base = res["default"]  # the draft model's own adaptive chain, measured the same way
+    assert base["tree"] == "the adaptive-length chain" and base["measured_tokens_per_s"] > 0
+    assert 1.0 <= base["measured_tokens_per_step"]
     for r in measured:  # the prefill is part of the end-to-end figure only
         assert r["measured_decode_tokens_per_s"] > r["measured_tokens_per_s"] > 0
         assert 1.0 <= r["measured_tokens_per_step"] <= r["depth"] + 1
@@ -537,3 +540,29 @@ def test_bench_takes_a_tree_file_and_dynamic_trees(tmp_path):
         s = json.loads((out / "results.json").read_text())["summary"]
         assert s["table"]["draft"]["overall"]["identical_share"] == 1.0
         assert s["table"]["draft"]["overall"]["mean_accepted"] > 1.0
+
+
+def test_time_steps_advances_by_the_accepted_path(tok):
+    """The draft model's catch-up between steps follows the accepted count: after accepting k nodes of
+    a chain it holds prefix + k tokens in its cache, and then feeds only the target's token."""
+    from hydraspec.drafters import make_drafter
+    from hydraspec.treebuild import time_steps
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    draft = tiny.noisy_copy(model, 0.1)
+    seq = PROMPT + [3, 4, 8, 6, 2, 9, 1, 5, 7, 3, 4, 8, 6, 2, 9, 1]
+    order = [[0], [0, 0], [0, 0, 0], [1]]
+    made = []
+
+    def make(paths):
+        made.append(make_drafter("draft", draft_model=draft, tree=paths))
+        return made[-1]
+
+    out = time_steps(model, make, order, seq, len(PROMPT), [3, 4], reps=2, want_hidden=False, accepted={3: 2, 4: 9})
+    assert set(out) == {3, 4} and all(v > 0 and d > 0 for v, d in out.values())
+    # 3 reps of T3 accepting 2 nodes each: the draft cache grew by 3 tokens per step (2 kept + 1 fed)
+    assert made[0].n_cached == len(PROMPT) + 3 * 2 + 2
+    # T4 (BFS: [0], [1], [0,0], [0,0,0]): the rank-0 chain is nodes 0, 2, 3, so 9 is capped at 3 and
+    # the sequence grows by 4 per step; the deepest node was never fed to the draft model, so each step
+    # keeps 2 cached nodes and feeds 2 tokens: 6 -> 8, 10 -> 12, 14 -> 16
+    assert made[1].n_cached == len(PROMPT) + 2 * 4 + 2

@@ -303,11 +303,11 @@ def cmd_build_tree(args) -> int:
         raise HydraspecError("no calibration prompts in " + ", ".join(args.prompts))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    heads = draft = None
+    heads = draft = heads_cfg = None
     if args.heads:
         from .heads import load_heads
 
-        heads, _ = load_heads(args.heads, model, base_model=args.model)
+        heads, heads_cfg = load_heads(args.heads, model, base_model=args.model)
     else:
         from .drafters import check_vocab
 
@@ -324,6 +324,7 @@ def cmd_build_tree(args) -> int:
                         method=args.method, select=args.select, heads=heads, draft_model=draft,
                         depth=args.max_depth, max_rank=args.max_rank, max_new_tokens=args.max_new_tokens,
                         confirm=args.confirm, reps=args.reps, log=log,
+                        default_paths=(heads_cfg or {}).get("default_tree"),
                         batch_sizes=parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None)
     result["model"] = args.model
     result["drafter"]["source"] = args.heads or args.draft_model

@@ -296,9 +296,13 @@ def _verify_inputs(order: list[list[int]], n: int, prefix: list[int], seq: list[
 
 @torch.inference_mode()
 def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, sizes: list[int],
-               reps: int = 5, want_hidden: bool = True) -> dict[int, tuple[float, float]]:
+               reps: int = 5, want_hidden: bool = True,
+               accepted: dict[int, int] | None = None) -> dict[int, tuple[float, float]]:
     """{n: (verify seconds, draft seconds)}: the median of `reps` verify forwards over the pending token
-    and T_n under its tree mask after the calibration prefix, and of `reps` drafter steps for T_n."""
+    and T_n under its tree mask after the calibration prefix, and of `reps` drafter steps for T_n.
+    Between drafter steps the sequence advances as decoding would: `accepted[n]` nodes of the rank-0
+    path are accepted (reported to the drafter, so a draft model keeps them cached) plus the target's
+    token, so the catch-up work of the next step is part of the timing (default: nothing accepted)."""
     from .cache import new_cache
     from .drafters.base import DecodeState
     from .sampling import Sampling
@@ -329,6 +333,11 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
         tokens = list(prefix)
         state = DecodeState(tokens=tokens, prompt_len=plen, sampling=Sampling(), hidden=hidden, new_hidden=hid)
         drafter.start(state, len(seq) + max(sizes) + reps + 8)
+        index = {tuple(p): i for i, p in enumerate(paths)}
+        chain = []  # node indices of the rank-0 path, as deep as T_n holds it
+        while (0,) * (len(chain) + 1) in index:
+            chain.append(index[(0,) * (len(chain) + 1)])
+        acc = chain[: max(0, min(len(chain), (accepted or {}).get(n, 0)))]
         dtimes = []
         for r in range(reps + 1):
             _sync(dev)
@@ -336,8 +345,9 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
             drafter.propose(state)
             _sync(dev)
             dtimes.append(time.perf_counter() - t0)
-            drafter.observe(state, [])
-            state.tokens.append(seq[(len(state.tokens)) % len(seq)])  # one new token per step, as in decoding
+            drafter.observe(state, list(acc))
+            for _ in range(len(acc) + 1):  # the accepted nodes and the target's token, as in decoding
+                state.tokens.append(seq[len(state.tokens) % len(seq)])
         out[n] = (verify, float(np.median(dtimes[1:])))
     return out
 
@@ -404,12 +414,16 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                method: str = "simulate", select: str = "measure", heads=None, draft_model=None,
                depth: int | None = None,
                max_rank: int = 10, max_new_tokens: int = 128, confirm: int = 3, reps: int = 5, preselect: int = 8,
-               batch_sizes: list[int] | None = None, log=print) -> dict:
+               batch_sizes: list[int] | None = None, default_paths: list[list[int]] | None = None,
+               log=print) -> dict:
     """Build a tree for `heads` (Medusa / Hydra) or `draft_model` (its top-k tree); returns the tree.json
     dict. prompt_names are recorded as the calibration prompts used. With select="measure" and
     `batch_sizes`, the verify step is also timed with B rows for every B > 1 and a tree is chosen per
     batch size by predicted tokens/s = B x expected tokens per step / (verify_B + draft time at batch 1);
-    the result's "by_batch" holds them ({B: paths}, read by --batch-trees)."""
+    the result's "by_batch" holds them ({B: paths}, read by --batch-trees). With select="measure" the
+    drafter's default (`default_paths`, e.g. the heads checkpoint's tree; None: the built-in default tree
+    of the heads or the draft model's adaptive chain) is measured the same way and reported beside the
+    selected tree (result "default")."""
     if (heads is None) == (draft_model is None):
         raise HydraspecError("build-tree needs exactly one drafter: heads or a draft model")
     if method not in ("medusa", "simulate"):
@@ -451,7 +465,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     log(f"{method}: {N} nested trees from {cal.positions} positions; expected tokens/step "
         f"T1 {exp[0]:.3f}, T{N} {exp[-1]:.3f}")
 
-    def make(paths):
+    def make(paths):  # paths None: the drafter's default
         from .drafters import make_drafter
 
         if heads is not None:
@@ -466,7 +480,8 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     if select == "measure":
         sample = sample_sizes(N)
         seq, plen = max(seqs, key=lambda x: len(x[0]))
-        timed = time_steps(model, make, order, seq, plen, sample, reps=reps, want_hidden=heads is not None)
+        timed = time_steps(model, make, order, seq, plen, sample, reps=reps, want_hidden=heads is not None,
+                           accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
         vs, ds = [timed[n][0] for n in sample], [timed[n][1] for n in sample]
         for row in sizes:
             n = row["nodes"]
@@ -486,6 +501,16 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                 f"tokens/s ({row['measured_decode_tokens_per_s']:.2f} after the prefill) and "
                 f"{row['measured_tokens_per_step']:.2f} tokens/step")
         best = max(ranked, key=lambda r: r["measured_tokens_per_s"])["nodes"]
+        m = measure_throughput(model, tokenizer, make(default_paths), prompt_ids, max_new_tokens)
+        baseline = {"tree": default_paths if default_paths is not None else
+                    ("the heads' built-in default tree" if heads is not None else "the adaptive-length chain"),
+                    "measured_tokens_per_s": round(m["tokens_per_s"], 4),
+                    "measured_decode_tokens_per_s": round(m["decode_tokens_per_s"], 4),
+                    "measured_tokens_per_step": round(m["mean_accepted"], 5)}
+        chosen = next(r for r in sizes if r["nodes"] == best)
+        log(f"  default drafter: measured {m['tokens_per_s']:.2f} tokens/s, {m['mean_accepted']:.2f} tokens/step"
+            + (f" -- faster than the selected T{best} ({chosen['measured_tokens_per_s']:.2f}) on these prompts: "
+               "the default is the better choice here" if m["tokens_per_s"] > chosen["measured_tokens_per_s"] else ""))
         for B in sorted({int(b) for b in batch_sizes or []} - {1}):
             if B < 1:
                 raise HydraspecError(f"batch sizes must be positive, got {B}")
@@ -519,6 +544,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
         "sizes": sizes,
         "measured_on": machine_info(model),
         **({"by_batch": {"1": winner, **{b: bfs_paths(order[:n]) for b, n in by_batch.items()}}} if by_batch else {}),
+        **({"default": baseline} if select == "measure" else {}),
         "calibration": {"prompts": list(prompt_names), "sequences": len(seqs), "positions": cal.positions,
                         "max_new_tokens": max_new_tokens},
     }
