@@ -108,6 +108,28 @@ def test_simulate_with_the_target_as_its_own_draft_model(tok):
     assert gen.generate(input_ids=PROMPT, max_new_tokens=24).stats.mean_accepted > 3.5
 
 
+def test_static_draft_tree_stops_where_the_draft_model_is_unsure(tok):
+    """With a confidence given, a static draft tree is cut at the first level where the draft model's
+    top token is below it under every parent (tiny random models are never confident: only the first
+    level is left); greedy output stays plain decoding's. Without one the tree stays whole."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    draft = tiny.noisy_copy(model, 0.05)
+    tree = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=PROMPT, max_new_tokens=20).token_ids
+    sizes = {}
+    for conf in (None, 0.999):
+        d = DraftModelDrafter(draft, tree=tree, confidence=conf)
+        seen = []
+        propose = d.propose
+        d.propose = lambda state, propose=propose: seen.append(propose(state)) or seen[-1]
+        res = SpeculativeGenerator(model, tok, d).generate(input_ids=PROMPT, max_new_tokens=20)
+        assert res.token_ids == ref, conf
+        sizes[conf] = {len(t.tokens) for t in seen}
+    assert sizes[None] == {5} and sizes[0.999] == {2}
+    with pytest.raises(HydraspecError, match="confidence"):
+        DraftModelDrafter(draft, tree=tree, confidence=1.5)
+
+
 class Recorder:
     """Wraps a drafter and records the drafts accepted at every step, in order."""
 

@@ -46,8 +46,10 @@ def add_method_args(p) -> None:
     add_draft_quant_arg(p)
     p.add_argument("--no-dynamic", action="store_true", help="keep the draft length fixed at --draft-k")
     p.add_argument("--draft-tree", help="draft a tree instead of a chain: children per depth, e.g. 2,2,1")
-    p.add_argument("--draft-confidence", type=float, default=0.4,
-                   help="greedy chain drafting stops when the draft's top probability falls below this")
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="greedy drafting by the draft model stops when its top probability falls below this "
+                        "(default 0.4 for the chain; off for a static --tree unless given, then the tree is "
+                        "cut at the first level where every parent is below it; 0 turns it off)")
     p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra)")
     p.add_argument("--tree", help="token tree for medusa/hydra/draft: a tree.json from `hydraspec build-tree`, a "
                                   "JSON list of rank paths, or 'dynamic' (--tree-nodes, --tree-depth, --tree-topk)")
@@ -109,7 +111,7 @@ def build_drafter(args, target_tok, draft=None, model=None):
             from .tree import load_tree_spec
 
             return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                                tree=load_tree_spec(args.tree))
+                                tree=load_tree_spec(args.tree), confidence=args.draft_confidence)
         return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                             k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
                             confidence=args.draft_confidence)

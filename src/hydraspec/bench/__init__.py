@@ -59,6 +59,9 @@ def add_parser(subparsers):
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory: records.jsonl, results.json, results.md, speedup.png, answers/")
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="greedy drafting by the draft model stops when its top probability falls below this "
+                        "(default 0.4 for the chain; off for a static tree unless given)")
     add_draft_quant_arg(p)  # for draft and hf-assisted alike
     p.add_argument("--pld-tokens", type=int, default=10,
                    help="most tokens prompt lookup proposes, ours and transformers' (default 10)")

@@ -130,6 +130,8 @@ def method_settings(name: str, args) -> dict:
         s.pop("tree_topk", None)
     if name == "draft" and s.get("tree") is None:
         s.pop("tree", None)
+    if s.get("draft_confidence", 0) is None:  # the default: records made before the option stay resumable
+        s.pop("draft_confidence")
     return s
 
 
@@ -170,12 +172,13 @@ def _engine(method: str):
             if ctx.draft is None:
                 raise HydraspecError("method 'draft' needs --draft-model")
             dm, dtok = ctx.draft
+            conf = getattr(a, "draft_confidence", None)
             if getattr(a, "tree", None):
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
-                                       **_tree_options(a))
+                                       confidence=conf, **_tree_options(a))
             else:
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
-                                       draft_tokenizer=dtok, k=a.draft_k)
+                                       draft_tokenizer=dtok, k=a.draft_k, confidence=conf)
         else:
             drafter = make_drafter(method)
         return EngineRunner(ctx, drafter)
@@ -307,7 +310,8 @@ def _hf(kind: str):
 register(MethodSpec("ar", _engine("ar"), "plain autoregressive decoding through the hydraspec engine"))
 register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--draft-model, --draft-k)",
                     needs_draft=True,
-                    settings=("draft_model", "draft_k", "tree", "tree_nodes", "tree_depth", "tree_topk")))
+                    settings=("draft_model", "draft_k", "draft_confidence", "tree", "tree_nodes", "tree_depth",
+                              "tree_topk")))
 register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
                     settings=("pld_tokens",)))
 register(MethodSpec("medusa", _heads("medusa"), "hydraspec with Medusa heads (--heads, --tree)",

@@ -23,6 +23,9 @@ def check_vocab(target_tok, draft_tok) -> None:
         )
 
 
+DEFAULT_CONFIDENCE = 0.4  # the chain's stop: the draft's top probability below this ends a draft
+
+
 class DraftModelDrafter(Drafter):
     """Drafting with a smaller causal LM sharing the target's tokenizer (Leviathan et al. 2023).
 
@@ -32,15 +35,19 @@ class DraftModelDrafter(Drafter):
     over all nodes of that depth under a tree mask. Greedy takes the draft's top tokens; sampling draws
     children without replacement from the draft's warped distribution and reports it as q.
     The draft model keeps its own cache, compacted to the accepted path after every step.
-    `confidence`: in greedy chain mode, stop drafting once the draft's top probability falls below it.
+    `confidence`: in greedy chain mode, stop drafting once the draft's top probability falls below it
+    (default 0.4).
     `tree`: a static tree of sibling-rank paths (Medusa "choices", e.g. from `hydraspec build-tree`, a
     tree.json file or its dict) instead of `widths`: node [.., r] holds its parent's rank-r draft token.
+    With `confidence` given (default: off for static trees), greedy decoding cuts a static tree at the
+    first level where the draft model's top token has probability below it under every parent, as the
+    chain stops drafting.
     """
 
     name = "draft"
 
     def __init__(self, model, k: int = 5, dynamic: bool = True, widths: list[int] | None = None,
-                 max_k: int = 16, confidence: float = 0.4, tree=None):
+                 max_k: int = 16, confidence: float | None = None, tree=None):
         check_supported(model)
         self.model = model
         self.tree_parents = None
@@ -57,6 +64,10 @@ class DraftModelDrafter(Drafter):
             raise HydraspecError("tree widths must be positive integers")
         self.k0, self.k, self.max_k = k, k, max_k
         self.dynamic = dynamic and not self.widths and self.tree_parents is None
+        if confidence is None:  # on for the chain, off for a static tree unless asked for
+            confidence = 0.0 if self.tree_parents is not None else DEFAULT_CONFIDENCE
+        if confidence < 0 or confidence >= 1:
+            raise HydraspecError(f"draft confidence must be in [0, 1), got {confidence}")
         self.confidence = confidence
         self.log_confidence = math.log(confidence) if confidence > 0 else float("-inf")
         if self.widths:
@@ -150,6 +161,12 @@ class DraftModelDrafter(Drafter):
             kids: dict[int, list[int]] = {}
             for i in range(start, end):
                 kids.setdefault(parents[i], []).append(i)
+            if greedy and d > 0 and self.confidence > 0 and all(
+                    (row_of[p].max() - torch.logsumexp(row_of[p], -1)).item() < self.log_confidence for p in kids):
+                # unsure at every parent of this level (as the chain stops drafting): verify the levels
+                # above only, all of which sit in the draft cache
+                self.n_fed = start
+                return DraftTree(torch.tensor(tokens[:start], dtype=torch.long), parents[:start])
             for p, children in kids.items():
                 lg = row_of[p]
                 if greedy:
