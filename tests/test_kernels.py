@@ -12,11 +12,17 @@ from hydraspec.kernels import PackedLinear, available, prepack
 pytestmark = pytest.mark.skipif(not available(), reason="oneDNN not available")
 
 
+@pytest.mark.parametrize("plain_rows", [None, "1,2,3", ""])  # measured on this CPU; forced either way
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_packed_linear_matches_linear(dtype, tol):
+def test_packed_linear_matches_linear(dtype, tol, plain_rows, monkeypatch):
+    if plain_rows is not None:
+        monkeypatch.setenv("HYDRASPEC_FP32_PLAIN_ROWS", plain_rows)
     torch.manual_seed(0)
     lin = nn.Linear(64, 96, bias=True).to(dtype)
     packed = PackedLinear(lin)
+    if dtype == torch.float32:
+        expect = {"1,2,3": (1, 2, 3), "": ()}.get(plain_rows)
+        assert set(packed.plain_rows) <= {1, 2, 3} and (expect is None or packed.plain_rows == expect)
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 7, 16):
             x = torch.randn(1, rows, 64, dtype=dtype)

@@ -160,6 +160,47 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+_FP32_PLAIN_ROWS: tuple[int, ...] | None = None
+
+
+def fp32_plain_rows() -> tuple[int, ...]:
+    """Row counts (of 1, 2, 3) for which a plain float32 `nn.Linear` beats the prepacked oneDNN weight
+    on this CPU, measured once per process on a [2048 x 1024] probe (a few ms). It differs by machine:
+    on a 2-core Cascade Lake Xeon the plain kernel won for 1-3 rows; on a 2-core Zen 4 EPYC the
+    prepacked one is 1.3-10x faster there (a 3-row SmolLM2 lm_head: 37 vs 4 ms). Override with
+    HYDRASPEC_FP32_PLAIN_ROWS="1,2,3" (or "" for none)."""
+    global _FP32_PLAIN_ROWS
+    env = os.environ.get("HYDRASPEC_FP32_PLAIN_ROWS")
+    if env is not None:
+        return tuple(int(r) for r in env.replace(" ", "").split(",") if r)
+    if _FP32_PLAIN_ROWS is None:
+        import time
+
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(2048, 1024, generator=g)
+        b = torch.zeros(2048)
+        rows = []
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            for n in (1, 2, 3):
+                x = torch.randn(n, 1024, generator=g)
+                times = {}
+                for mode in ("plain", "packed"):
+                    call = ((lambda: nn.functional.linear(x, w, b)) if mode == "plain" else
+                            (lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")))
+                    call()
+                    ts = []
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        call()
+                        ts.append(time.perf_counter() - t0)
+                    times[mode] = sorted(ts)[2]
+                if times["plain"] < times["packed"]:
+                    rows.append(n)
+        _FP32_PLAIN_ROWS = tuple(rows)
+    return _FP32_PLAIN_ROWS
+
+
 class PackedLinear(nn.Module):
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -175,8 +216,10 @@ class PackedLinear(nn.Module):
                 self.packed = pack_bf16(lin.weight)
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
-        # row counts where the plain kernel measured faster (2-core AVX-512 CPU, no native bf16)
-        self.plain_rows = (2, 3) if lin.weight.dtype == torch.bfloat16 else (1, 2, 3)
+        # row counts where the plain kernel is faster: bf16 without the native kernel (measured on a
+        # 2-core AVX-512 CPU without native bf16); float32 measured on this CPU (fp32_plain_rows)
+        self.plain_rows = (2, 3) if lin.weight.dtype == torch.bfloat16 else \
+            (fp32_plain_rows() if not self.native and self.packed is not None else ())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
