@@ -235,6 +235,20 @@ def test_build_tree_measures_and_picks_the_fastest(tok):
         assert 1.0 <= r["measured_tokens_per_step"] <= r["depth"] + 1
 
 
+def test_build_tree_confirms_with_the_draft_confidence_stop(tok):
+    """With a draft confidence the confirmed trees decode as `--draft-confidence` would: a tiny random
+    draft model is never confident, so every step verifies only the first level (<= 2 tokens a step),
+    although the replay of the whole trees expects more; the value is recorded in tree.json."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    res = build_tree(model, tok, prompt_ids=[PROMPT], prompt_names=["p"], max_nodes=4, method="simulate",
+                     select="measure", draft_model=tiny.noisy_copy(model, 0.0), depth=3, max_new_tokens=12,
+                     confirm=4, reps=1, draft_confidence=0.999, log=lambda m: None)
+    assert res["drafter"]["confidence"] == 0.999
+    confirmed = [r for r in res["sizes"] if r.get("measured_tokens_per_step") is not None]
+    assert len(confirmed) == 4 and max(r["expected_tokens_per_step"] for r in confirmed) == 4.0
+    assert all(r["measured_tokens_per_step"] <= 2.0 for r in confirmed)
+
+
 def test_build_tree_prediction_matches_decoding_with_an_exact_drafter(tok):
     """A draft model equal to the target is always right: replay and real decoding both accept the
     whole chain, depth + 1 tokens per step (12 new tokens = 3 steps of 4)."""
@@ -588,3 +602,9 @@ def test_time_steps_advances_by_the_accepted_path(tok):
     # the sequence grows by 4 per step; the deepest node was never fed to the draft model, so each step
     # keeps 2 cached nodes and feeds 2 tokens: 6 -> 8, 10 -> 12, 14 -> 16
     assert made[1].n_cached == len(PROMPT) + 2 * 4 + 2
+
+
+def test_cli_build_tree_refuses_draft_confidence_with_heads(tmp_path, capsys):
+    rc, _, err = _run(capsys, "build-tree", "--model", tmp_path / "m", "--heads", tmp_path / "h",
+                      "--draft-confidence", "0.4", "--prompts", tmp_path / "p.jsonl", "--out", tmp_path / "t.json")
+    assert rc == 2 and "--draft-confidence applies to a --draft-model only" in err

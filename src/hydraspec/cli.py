@@ -298,6 +298,8 @@ def cmd_build_tree(args) -> int:
 
     if (args.heads is None) == (args.draft_model is None):
         raise HydraspecError("build-tree needs exactly one of --heads DIR and --draft-model")
+    if args.heads and args.draft_confidence is not None:
+        raise HydraspecError("--draft-confidence applies to a --draft-model only")
     if args.max_nodes < 1 or args.max_new_tokens < 1:
         raise HydraspecError("--max-nodes and --max-new-tokens must be at least 1")
     questions = load_questions(args.prompts, limit=args.limit, skip=args.skip)
@@ -327,6 +329,7 @@ def cmd_build_tree(args) -> int:
                         depth=args.max_depth, max_rank=args.max_rank, max_new_tokens=args.max_new_tokens,
                         confirm=args.confirm, reps=args.reps, log=log,
                         default_paths=(heads_cfg or {}).get("default_tree"),
+                        draft_confidence=args.draft_confidence if draft is not None else None,
                         batch_sizes=parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None)
     result["model"] = args.model
     result["drafter"]["source"] = args.heads or args.draft_model
@@ -431,6 +434,9 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--heads", help="trained Medusa/Hydra heads directory")
     src.add_argument("--draft-model", help="draft model sharing the target's tokenizer (its top-k tree)")
     add_draft_quant_arg(b)
+    b.add_argument("--draft-confidence", type=float, default=None,
+                   help="with --draft-model: time and confirm the trees with this early stop, as generate/bench "
+                        "--draft-confidence would decode with them (default: off for static trees)")
     b.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
                    help="calibration prompts (Spec-Bench jsonl, first turns); keep them apart from evaluation prompts")
     b.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")

@@ -415,7 +415,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                depth: int | None = None,
                max_rank: int = 10, max_new_tokens: int = 128, confirm: int = 3, reps: int = 5, preselect: int = 8,
                batch_sizes: list[int] | None = None, default_paths: list[list[int]] | None = None,
-               log=print) -> dict:
+               draft_confidence: float | None = None, log=print) -> dict:
     """Build a tree for `heads` (Medusa / Hydra) or `draft_model` (its top-k tree); returns the tree.json
     dict. prompt_names are recorded as the calibration prompts used. With select="measure" and
     `batch_sizes`, the verify step is also timed with B rows for every B > 1 and a tree is chosen per
@@ -423,7 +423,9 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     the result's "by_batch" holds them ({B: paths}, read by --batch-trees). With select="measure" the
     drafter's default (`default_paths`, e.g. the heads checkpoint's tree; None: the built-in default tree
     of the heads or the draft model's adaptive chain) is measured the same way and reported beside the
-    selected tree (result "default")."""
+    selected tree (result "default"). `draft_confidence`: the draft model's early stop, applied to the
+    timed and confirmed trees as `--draft-confidence` applies it in decoding (None: off for static
+    trees, the chain's 0.4 for the default chain)."""
     if (heads is None) == (draft_model is None):
         raise HydraspecError("build-tree needs exactly one drafter: heads or a draft model")
     if method not in ("medusa", "simulate"):
@@ -470,7 +472,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
 
         if heads is not None:
             return make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(), tree=paths)
-        return make_drafter("draft", draft_model=draft_model, tree=paths)
+        return make_drafter("draft", draft_model=draft_model, tree=paths, confidence=draft_confidence)
 
     sizes = [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
               "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
@@ -538,6 +540,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                  "comparable to predicted_tokens_per_s; measured_tokens_per_step: its mean accepted length",
         "method": method, "select": select,
         "drafter": {"kind": kind, "depth": depth, "max_rank": max_rank,
+                    **({"confidence": draft_confidence} if heads is None and draft_confidence is not None else {}),
                     **({"num_heads": heads.num_heads} if heads is not None else {})},
         "order": order,
         "acceptance": [[round(float(x), 5) for x in row] for row in a],
