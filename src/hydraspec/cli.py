@@ -329,7 +329,7 @@ def cmd_build_tree(args) -> int:
                         depth=args.max_depth, max_rank=args.max_rank, max_new_tokens=args.max_new_tokens,
                         confirm=args.confirm, reps=args.reps, log=log,
                         default_paths=(heads_cfg or {}).get("default_tree"),
-                        draft_confidence=args.draft_confidence if draft is not None else None,
+                        draft_confidence=args.draft_confidence,
                         batch_sizes=parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None)
     result["model"] = args.model
     result["drafter"]["source"] = args.heads or args.draft_model

@@ -218,8 +218,7 @@ class PackedLinear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
         # row counts where the plain kernel is faster: bf16 without the native kernel (measured on a
         # 2-core AVX-512 CPU without native bf16); float32 measured on this CPU (fp32_plain_rows)
-        self.plain_rows = (2, 3) if lin.weight.dtype == torch.bfloat16 else \
-            (fp32_plain_rows() if not self.native and self.packed is not None else ())
+        self.plain_rows = (2, 3) if lin.weight.dtype == torch.bfloat16 else fp32_plain_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():

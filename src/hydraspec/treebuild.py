@@ -337,7 +337,7 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
         chain = []  # node indices of the rank-0 path, as deep as T_n holds it
         while (0,) * (len(chain) + 1) in index:
             chain.append(index[(0,) * (len(chain) + 1)])
-        acc = chain[: max(0, min(len(chain), (accepted or {}).get(n, 0)))]
+        acc = chain[: max(0, (accepted or {}).get(n, 0))]
         dtimes = []
         for r in range(reps + 1):
             _sync(dev)
@@ -386,8 +386,9 @@ def time_batch_verify(model, order: list[list[int]], seq: list[int], plen: int, 
 
 
 def measure_throughput(model, tokenizer, drafter, prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
-    """Greedy generation over the calibration prompts (after one warm-up): end-to-end tokens/s, tokens/s
-    after the prefill (what the per-step prediction models) and the mean tokens per target forward."""
+    """Greedy generation over the calibration prompts (after one warm-up), as tree.json records it:
+    end-to-end tokens/s, tokens/s after the prefill (what the per-step prediction models) and the mean
+    tokens per target forward."""
     from .generator import SpeculativeGenerator
 
     gen = SpeculativeGenerator(model, tokenizer, drafter)
@@ -402,9 +403,9 @@ def measure_throughput(model, tokenizer, drafter, prompt_ids: list[list[int]], m
         toks += len(res.token_ids)
         forwards += res.stats.target_forwards
         prefill += res.stats.prefill_s
-    return {"tokens_per_s": toks / wall if wall > 0 else 0.0,
-            "decode_tokens_per_s": toks / (wall - prefill) if wall > prefill else 0.0,
-            "mean_accepted": toks / forwards if forwards else 0.0}
+    return {"measured_tokens_per_s": round(toks / wall if wall > 0 else 0.0, 4),
+            "measured_decode_tokens_per_s": round(toks / (wall - prefill) if wall > prefill else 0.0, 4),
+            "measured_tokens_per_step": round(toks / forwards if forwards else 0.0, 5)}
 
 
 # ---- the whole build ------------------------------------------------------------------------------
@@ -493,26 +494,22 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                        timed=n in timed)
         ranked = sorted(sizes, key=lambda r: -r["predicted_tokens_per_s"])[: max(1, confirm)]
         for row in ranked:
-            m = measure_throughput(model, tokenizer, make(bfs_paths(order[: row["nodes"]])), prompt_ids,
-                                   max_new_tokens)
-            row.update(measured_tokens_per_s=round(m["tokens_per_s"], 4),
-                       measured_decode_tokens_per_s=round(m["decode_tokens_per_s"], 4),
-                       measured_tokens_per_step=round(m["mean_accepted"], 5))
+            row.update(measure_throughput(model, tokenizer, make(bfs_paths(order[: row["nodes"]])), prompt_ids,
+                                          max_new_tokens))
             log(f"  T{row['nodes']}: predicted {row['predicted_tokens_per_s']:.2f} tokens/s and "
                 f"{row['expected_tokens_per_step']:.2f} tokens/step; measured {row['measured_tokens_per_s']:.2f} "
                 f"tokens/s ({row['measured_decode_tokens_per_s']:.2f} after the prefill) and "
                 f"{row['measured_tokens_per_step']:.2f} tokens/step")
         best = max(ranked, key=lambda r: r["measured_tokens_per_s"])["nodes"]
-        m = measure_throughput(model, tokenizer, make(default_paths), prompt_ids, max_new_tokens)
         baseline = {"tree": default_paths if default_paths is not None else
                     ("the heads' built-in default tree" if heads is not None else "the adaptive-length chain"),
-                    "measured_tokens_per_s": round(m["tokens_per_s"], 4),
-                    "measured_decode_tokens_per_s": round(m["decode_tokens_per_s"], 4),
-                    "measured_tokens_per_step": round(m["mean_accepted"], 5)}
+                    **measure_throughput(model, tokenizer, make(default_paths), prompt_ids, max_new_tokens)}
         chosen = next(r for r in sizes if r["nodes"] == best)
-        log(f"  default drafter: measured {m['tokens_per_s']:.2f} tokens/s, {m['mean_accepted']:.2f} tokens/step"
+        faster = baseline["measured_tokens_per_s"] > chosen["measured_tokens_per_s"]
+        log(f"  default drafter: measured {baseline['measured_tokens_per_s']:.2f} tokens/s, "
+            f"{baseline['measured_tokens_per_step']:.2f} tokens/step"
             + (f" -- faster than the selected T{best} ({chosen['measured_tokens_per_s']:.2f}) on these prompts: "
-               "the default is the better choice here" if m["tokens_per_s"] > chosen["measured_tokens_per_s"] else ""))
+               "the default is the better choice here" if faster else ""))
         for B in sorted({int(b) for b in batch_sizes or []} - {1}):
             if B < 1:
                 raise HydraspecError(f"batch sizes must be positive, got {B}")

@@ -87,6 +87,10 @@ class DraftModelDrafter(Drafter):
         self.k = self.k0
         self.n_fed = 0
 
+    def _unsure(self, logits: torch.Tensor) -> bool:
+        """The draft model's top probability under these logits is below `confidence`."""
+        return (logits.max() - torch.logsumexp(logits, -1)).item() < self.log_confidence
+
     def _depth_widths(self) -> list[int]:
         return self.widths if self.widths else [1] * self.k
 
@@ -112,10 +116,8 @@ class DraftModelDrafter(Drafter):
             for parent, lg in frontier:
                 if greedy:
                     top = torch.topk(lg, width)
-                    if self.confidence > 0 and not self.widths:
-                        if top.values[0].item() - torch.logsumexp(lg, -1).item() < self.log_confidence:
-                            if tokens:  # always propose at least one token
-                                continue
+                    if self.confidence > 0 and not self.widths and tokens and self._unsure(lg):
+                        continue  # always propose at least one token
                     cand = top.indices
                 else:
                     p = sampling.probs(lg)
@@ -161,8 +163,7 @@ class DraftModelDrafter(Drafter):
             kids: dict[int, list[int]] = {}
             for i in range(start, end):
                 kids.setdefault(parents[i], []).append(i)
-            if greedy and d > 0 and self.confidence > 0 and all(
-                    (row_of[p].max() - torch.logsumexp(row_of[p], -1)).item() < self.log_confidence for p in kids):
+            if greedy and d > 0 and self.confidence > 0 and all(self._unsure(row_of[p]) for p in kids):
                 # unsure at every parent of this level (as the chain stops drafting): verify the levels
                 # above only, all of which sit in the draft cache
                 self.n_fed = start
