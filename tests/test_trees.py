@@ -100,7 +100,9 @@ def test_simulate_with_the_target_as_its_own_draft_model(tok):
     model = tiny.cached_model("llama", "sdpa", 1)
     seqs = greedy_sequences(model, tok, [PROMPT], 24)
     ranks = draft_ranks(model, seqs, depth=3, max_rank=5)
-    assert ranks[0].shape == (24 - 3 + 1, 3) and (ranks[0] == 0).all()
+    # one row per verify step position (24 new tokens); the last rows lose the depths past the budget
+    assert ranks[0].shape == (24, 3)
+    assert (ranks[0][:-3] == 0).all() and ranks[0][-3:].tolist() == [[0, 0, 5], [0, 5, 5], [5, 5, 5]]
     order, exp = grow_simulate(Calibration(ranks, 3, 5), 3)
     assert order == [[0], [0, 0], [0, 0, 0]]
     assert exp[-1] > 3.5
@@ -128,6 +130,29 @@ def test_static_draft_tree_stops_where_the_draft_model_is_unsure(tok):
     assert sizes[None] == {5} and sizes[0.999] == {2}
     with pytest.raises(HydraspecError, match="confidence"):
         DraftModelDrafter(draft, tree=tree, confidence=1.5)
+
+
+def test_replay_models_the_draft_confidence_stop(tok):
+    """With the draft model's early stop, the recorded ranks drop the depths it would not draft, and
+    replaying a chain matches decoding with `confidence` step by step. The threshold is the median
+    top probability of the (tiny, unconfident) draft model, so about half its drafts are cut."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    draft = tiny.noisy_copy(model, 0.05)
+    depth, n_new = 4, 40
+    seqs = greedy_sequences(model, tok, [PROMPT], n_new)
+    with torch.inference_mode():
+        lg = draft(input_ids=torch.tensor([seqs[0][0]])).logits[0].float()
+    conf = float(torch.softmax(lg, -1).max(-1).values.median())
+    ranks = draft_ranks(draft, seqs, depth, 10, confidence=conf)
+    plain = draft_ranks(draft, seqs, depth, 10)
+    assert (ranks[0] == 10).sum() > (plain[0] == 10).sum(), "the threshold must cut some drafts"
+    chain = [[0] * (d + 1) for d in range(depth)]
+    expect = replay_steps(ranks[0], set(map(tuple, chain)))
+    rec = Recorder(DraftModelDrafter(draft, tree=chain, confidence=conf))
+    res = SpeculativeGenerator(model, tok, rec).generate(input_ids=PROMPT, max_new_tokens=n_new)
+    assert res.token_ids == seqs[0][0][len(PROMPT):]
+    assert rec.steps == expect
+    assert expect != replay_steps(plain[0], set(map(tuple, chain)))
 
 
 class Recorder:
@@ -173,8 +198,8 @@ def test_offline_replay_matches_the_engine_step_by_step(kind, tok):
     res = SpeculativeGenerator(model, tok, rec).generate(input_ids=PROMPT, max_new_tokens=n_new)
     assert res.token_ids == seqs[0][0][len(PROMPT):]
     assert sum(expect) > 2, "the test needs some accepted drafts to mean anything"
-    # replayed positions stop `depth` tokens before the end, before the engine trims drafts to its budget
-    assert rec.steps[:len(expect)] == expect
+    # to the last step, where the engine trims the drafts to its token budget
+    assert rec.steps == expect
 
 
 # ---- tree.json ----------------------------------------------------------------------------------------
@@ -238,15 +263,16 @@ def test_build_tree_measures_and_picks_the_fastest(tok):
 def test_build_tree_confirms_with_the_draft_confidence_stop(tok):
     """With a draft confidence the confirmed trees decode as `--draft-confidence` would: a tiny random
     draft model is never confident, so every step verifies only the first level (<= 2 tokens a step),
-    although the replay of the whole trees expects more; the value is recorded in tree.json."""
+    and the replay predicts that cut (the draft model equals the target, so without it it would expect
+    up to 4); the value is recorded in tree.json."""
     model = tiny.cached_model("llama", "sdpa", 1)
     res = build_tree(model, tok, prompt_ids=[PROMPT], prompt_names=["p"], max_nodes=4, method="simulate",
                      select="measure", draft_model=tiny.noisy_copy(model, 0.0), depth=3, max_new_tokens=12,
                      confirm=4, reps=1, draft_confidence=0.999, log=lambda m: None)
     assert res["drafter"]["confidence"] == 0.999
     confirmed = [r for r in res["sizes"] if r.get("measured_tokens_per_step") is not None]
-    assert len(confirmed) == 4 and max(r["expected_tokens_per_step"] for r in confirmed) == 4.0
-    assert all(r["measured_tokens_per_step"] <= 2.0 for r in confirmed)
+    assert len(confirmed) == 4
+    assert all(r["measured_tokens_per_step"] == r["expected_tokens_per_step"] == 2.0 for r in confirmed)
 
 
 def test_build_tree_prediction_matches_decoding_with_an_exact_drafter(tok):

@@ -9,6 +9,10 @@ number per (position, depth) says everything: r_d(p), the rank of S[p + 2 + d] a
 proposals given the correct path (Medusa head d on h_p; Hydra head d on h_p and the embeddings of
 S[p + 1 .. p + 1 + d]; a draft model's next-token ranking after S[.. p + 1 + d]). A tree of rank paths
 then accepts, at position p, the longest prefix (r_0(p), ..., r_{k-1}(p)) that is one of its paths.
+Where decoding would not draft a node at all -- past the token budget at the end of a sequence, or
+below the point where a draft model's confidence stop (`--draft-confidence`) ends its chain -- its rank
+is recorded as "not proposed", so replaying a tree walks the sequence exactly as greedy decoding does,
+last step included.
 
 Two ways to grow nested trees T_1 ⊂ T_2 ⊂ ... ⊂ T_N, one node at a time:
 
@@ -82,10 +86,18 @@ def _rank_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (logits > t).sum(-1)
 
 
-def _positions(seq_len: int, prompt_len: int, depth: int) -> range:
+def _positions(seq_len: int, prompt_len: int) -> range:
     # p: the hidden state h_p produced the pending token S[p + 1]. The engine's first pending token is the
-    # last prompt token (p = prompt_len - 2); all depths need S[p + 1 + depth] to exist.
-    return range(max(prompt_len - 2, 0), seq_len - 1 - depth)
+    # last prompt token (p = prompt_len - 2); its last step has S[seq_len - 2] pending.
+    return range(max(prompt_len - 2, 0), seq_len - 2)
+
+
+def _past_the_end(ps, seq_len: int, depth: int) -> np.ndarray:
+    """[positions, depth] mask of the drafts decoding never verifies at the end of a sequence: the
+    engine drafts no deeper than its remaining budget less one (the last token is the target's), so a
+    depth-d draft at p exists only while S[p + 2 + d] is not the sequence's last token. (An answer that
+    ends with EOS behaves the same for tokens per step: the step that reaches EOS emits it either way.)"""
+    return np.asarray(ps)[:, None] + 2 + np.arange(depth)[None] > seq_len - 2
 
 
 @torch.inference_mode()
@@ -96,7 +108,7 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
     out = []
     dev = model.device
     for seq, plen in seqs:
-        ps = list(_positions(len(seq), plen, depth))
+        ps = list(_positions(len(seq), plen))
         if not ps:
             out.append(np.zeros((0, depth), dtype=np.int64))
             continue
@@ -115,27 +127,41 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
                     lg = full_vocab_logits(heads, heads.logits(d, h).float())
                 else:
                     idx = p[:, None] + 1 + torch.arange(d + 1, device=dev)[None]  # S[p+1 .. p+1+d]
-                    lg = full_vocab_logits(heads, heads.logits(d, h, emb[idx]).float())
-                r[a:a + len(ps[a:a + chunk]), d] = _rank_of(lg, s[p + 2 + d]).cpu()
-        out.append(r.clamp(max=max_rank).numpy())
+                    lg = full_vocab_logits(heads, heads.logits(d, h, emb[idx.clamp(max=len(seq) - 1)]).float())
+                r[a:a + len(ps[a:a + chunk]), d] = _rank_of(lg, s[(p + 2 + d).clamp(max=len(seq) - 1)]).cpu()
+        r = r.clamp(max=max_rank).numpy()
+        r[_past_the_end(ps, len(seq), depth)] = max_rank
+        out.append(r)
     return out
 
 
 @torch.inference_mode()
-def draft_ranks(draft_model, seqs, depth: int, max_rank: int) -> list[np.ndarray]:
-    """r_d(p) for a draft model's top-k tree: its next-token ranking after S[.. p + 1 + d]."""
+def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float | None = None) -> list[np.ndarray]:
+    """r_d(p) for a draft model's top-k tree: its next-token ranking after S[.. p + 1 + d].
+    `confidence` (the greedy early stop of `--draft-confidence`): where the draft model's top
+    probability after S[.. p + 1 + d] is below it for some d >= 1, decoding drafts nothing from depth d
+    on, so those ranks become "not proposed" (max_rank). This is exact for chains; for a branching tree,
+    which is cut only where every parent of a level is unsure, it looks at the parent on the correct
+    path only (a slightly pessimistic estimate)."""
     out = []
     dev = draft_model.device
     for seq, plen in seqs:
-        ps = np.array(list(_positions(len(seq), plen, depth)), dtype=np.int64)
+        ps = np.array(list(_positions(len(seq), plen)), dtype=np.int64)
         if not len(ps):
             out.append(np.zeros((0, depth), dtype=np.int64))
             continue
         s = torch.tensor(seq, device=dev)
         lg = draft_model(input_ids=s[None], use_cache=False).logits[0].float()
         R = _rank_of(lg[:-1], s[1:]).cpu().numpy()  # R[j]: rank of S[j + 1] after S[.. j]
-        idx = ps[:, None] + 1 + np.arange(depth)[None]
-        out.append(np.minimum(R[idx], max_rank))
+        idx = np.minimum(ps[:, None] + 1 + np.arange(depth)[None], len(R) - 1)
+        r = np.minimum(R[idx], max_rank)
+        if confidence:
+            top = (lg.max(-1).values - torch.logsumexp(lg, -1)).cpu().numpy()  # log top probability
+            unsure = top[idx] < np.log(confidence)
+            unsure[:, 0] = False  # the chain always drafts its first token
+            r[np.cumsum(unsure, axis=1) > 0] = max_rank
+        r[_past_the_end(ps, len(seq), depth)] = max_rank
+        out.append(r)
     return out
 
 
@@ -453,12 +479,12 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
         ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank)
         kind = heads.kind
     else:
-        ranks = draft_ranks(draft_model, seqs, depth, max_rank)
+        ranks = draft_ranks(draft_model, seqs, depth, max_rank, confidence=draft_confidence)
         kind = "draft"
     cal = Calibration(ranks, depth, max_rank, list(prompt_names))
     if cal.positions == 0:
-        raise HydraspecError(f"no calibration positions: the continuations are shorter than the tree depth "
-                             f"({depth}) + 2; raise --max-new-tokens or use longer prompts")
+        raise HydraspecError("no calibration positions: every greedy continuation is shorter than 2 tokens; "
+                             "raise --max-new-tokens or use other prompts")
     a = acceptance_table(cal)
     if method == "medusa":
         order, exp = grow_medusa(a, max_nodes)
