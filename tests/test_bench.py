@@ -339,3 +339,16 @@ def test_head_methods_in_the_bench(tiny, prompts, tmp_path):
     assert len(list((out2 / "answers").glob("*.jsonl"))) == 4
     with pytest.raises(HydraspecError, match="only methods that take a tree"):
         parse_methods("ar,pld@dynamic")
+
+
+def test_skip_leaves_out_the_first_questions(tiny, tmp_path):
+    """--skip N drops the first N questions of each category (those kept for calibration or training)."""
+    p = _write(tmp_path / "four.jsonl", [{"question_id": i, "category": "c", "turns": [f"the cat {i} sat"]}
+                                          for i in range(4)])
+    out = tmp_path / "skip"
+    assert run_bench(_bench_args(p, out, "ar", "--skip", "2", "--limit", "1"), loader=tiny) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["question_id"] for r in data["records"]] == [2]
+    assert json.loads((out / "records.jsonl").read_text().splitlines()[0])["settings"]["skip"] == 2
+    with pytest.raises(HydraspecError, match="--skip"):
+        run_bench(_bench_args(p, tmp_path / "bad", "ar", "--skip", "-1"), loader=tiny)

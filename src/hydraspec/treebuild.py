@@ -591,17 +591,27 @@ def plot_tree(result: dict, path) -> None:
     rows = result["sizes"]
     n = [r["nodes"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(7, 9), sharex=True)
-    axes[0].plot(n, [r["expected_tokens_per_step"] for r in rows], marker=".")
-    axes[0].set_ylabel("expected tokens / step")
+    axes[0].plot(n, [r["expected_tokens_per_step"] for r in rows], marker=".", label="expected (replay)")
+    steps = [(r["nodes"], r["measured_tokens_per_step"]) for r in rows if r.get("measured_tokens_per_step")]
+    if steps:
+        axes[0].scatter(*zip(*steps), color="C3", label="measured (calibration prompts)", zorder=3)
+        axes[0].legend()
+    axes[0].set_ylabel("tokens / step")
     if rows and rows[0]["step_s"] is not None:
         axes[1].plot(n, [r["step_s"] * 1e3 for r in rows], label="verify + draft")
         axes[1].plot(n, [r["verify_s"] * 1e3 for r in rows], label="verify", linestyle="--")
         axes[1].legend()
-        axes[2].plot(n, [r["predicted_tokens_per_s"] for r in rows], label="predicted")
+        axes[2].plot(n, [r["predicted_tokens_per_s"] for r in rows], label="predicted (per step)")
+        dec = [(r["nodes"], r["measured_decode_tokens_per_s"]) for r in rows if r.get("measured_decode_tokens_per_s")]
+        if dec:
+            axes[2].scatter(*zip(*dec), color="C1", marker="x", label="measured after the prefill", zorder=3)
         m = [(r["nodes"], r["measured_tokens_per_s"]) for r in rows if r["measured_tokens_per_s"] is not None]
         if m:
-            axes[2].scatter(*zip(*m), color="C3", label="measured", zorder=3)
-        axes[2].legend()
+            axes[2].scatter(*zip(*m), color="C3", label="measured end to end", zorder=3)
+        base = (result.get("default") or {}).get("measured_tokens_per_s")
+        if base:
+            axes[2].axhline(base, color="C2", linestyle="--", label="default drafter, end to end")
+        axes[2].legend(fontsize=8)
     else:
         for ax in axes[1:]:
             ax.text(0.5, 0.5, "not measured (--select none)", ha="center", va="center", transform=ax.transAxes)

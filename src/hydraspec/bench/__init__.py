@@ -47,6 +47,9 @@ def add_parser(subparsers):
                         "are prefixed with the file name and a missing category is the file name")
     p.add_argument("--limit", type=int, metavar="N",
                    help="only the first N questions of each category (in file order)")
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="leave out the first N questions of each category (e.g. the ones build-tree or "
+                        "train-heads used: --skip there, --limit here, or the other way round)")
     p.add_argument("--categories", metavar="A,B", help="comma-separated categories to keep (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -84,7 +84,8 @@ def run_batch_bench(args, loader=None) -> int:
     sizes = parse_batch_sizes(args.batch_sizes)
     if getattr(args, "batch_trees", None) and not any(METHODS[m].needs_heads for m in methods):
         raise HydraspecError("--batch-trees is only used by the medusa/hydra methods")
-    questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories))
+    questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories),
+                               skip=getattr(args, "skip", 0))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise HydraspecError(f"--out {out} exists and is not a directory")
@@ -168,7 +169,7 @@ def run_batch_bench(args, loader=None) -> int:
     data = {"settings": {"model": args.model, "draft_model": getattr(args, "draft_model", None),
                          "heads": getattr(args, "heads", None), "methods": methods, "batch_sizes": sizes,
                          "max_new_tokens": args.max_new_tokens, "temperature": temperature, "dtype": args.dtype,
-                         "prompts": [str(p) for p in args.prompts], "limit": args.limit,
+                         "prompts": [str(p) for p in args.prompts], "limit": args.limit, "skip": getattr(args, "skip", 0),
                          "verify_budget": getattr(args, "verify_budget", None),
                          "draft_quant": getattr(args, "draft_quant", "none")},
             "machine": machine, "rows": rows,

@@ -30,6 +30,7 @@ def settings_of(args) -> dict:
         "temperature": float(args.temperature), "seed": args.seed, "draft_k": args.draft_k,
         "draft_quant": getattr(args, "draft_quant", "none"),
         "pld_tokens": args.pld_tokens, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
+        "skip": getattr(args, "skip", 0),
         "categories": _split_list(args.categories), "methods": parse_methods(args.methods),
     }
 
@@ -51,6 +52,8 @@ def check_args(args, methods: list[str]) -> None:
         raise HydraspecError(f"--temperature must be >= 0, got {args.temperature}")
     if args.draft_k < 1 or args.pld_tokens < 1:
         raise HydraspecError("--draft-k and --pld-tokens must be at least 1")
+    if getattr(args, "skip", 0) < 0:
+        raise HydraspecError(f"--skip must be at least 0, got {args.skip}")
     if args.limit is not None and args.limit < 1:
         raise HydraspecError(f"--limit must be at least 1, got {args.limit}")
 
@@ -74,7 +77,8 @@ def run_bench(args, loader=None) -> int:
 
     methods = parse_methods(args.methods)
     check_args(args, methods)
-    questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories))
+    questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories),
+                               skip=getattr(args, "skip", 0))
     settings = settings_of(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
