@@ -23,6 +23,7 @@ from hydraspec.treebuild import (
     acceptance_table,
     build_tree,
     draft_ranks,
+    drafted_nodes,
     expected_tokens,
     greedy_sequences,
     grow_medusa,
@@ -78,6 +79,18 @@ def test_replay_walks_like_the_engine():
     assert replay_steps(ranks, {(1,)}) == [0, 1, 0, 0, 0]  # p=0:0, p=1:1, p=3:0, p=4:0, p=5:0
     cal = Calibration([ranks], depth=2, max_rank=5)
     assert replay(cal, tree) == pytest.approx(6 / 2)
+
+
+def test_drafted_nodes_follow_the_replayed_steps():
+    """At p=0 the draft model stops after one level (rank 5 = not drafted at depth 1): the step drafts 1
+    node and accepts it; the next step is at p=2, drafts both levels and accepts both; then it ends."""
+    ranks = np.array([[0, 5], [0, 0], [0, 0], [0, 0]])
+    cal = Calibration([ranks], depth=2, max_rank=5, levels=[np.array([1, 2, 2, 2])])
+    chain = [[0], [0, 0]]
+    assert replay_steps(ranks, set(map(tuple, chain))) == [1, 2]
+    assert drafted_nodes(cal, chain) == pytest.approx(1.5)
+    assert drafted_nodes(cal, [[0], [1], [0, 0]]) == pytest.approx((2 + 3) / 2)
+    assert drafted_nodes(Calibration([ranks], depth=2, max_rank=5), chain) == 2.0  # no stop: whole trees
 
 
 def test_simulate_sees_correlations_that_medusa_cannot():
@@ -273,6 +286,11 @@ def test_build_tree_confirms_with_the_draft_confidence_stop(tok):
     confirmed = [r for r in res["sizes"] if r.get("measured_tokens_per_step") is not None]
     assert len(confirmed) == 4
     assert all(r["measured_tokens_per_step"] == r["expected_tokens_per_step"] == 2.0 for r in confirmed)
+    # the draft time is charged for what the replay drafts: the first level of each tree only
+    first_level = {r["nodes"]: sum(len(p) == 1 for p in res["order"][: r["nodes"]]) for r in res["sizes"]}
+    assert all(r["drafted_nodes"] == first_level[r["nodes"]] for r in res["sizes"])
+    t1 = res["sizes"][0]["draft_s"]
+    assert all(r["draft_s"] == t1 for r in res["sizes"] if first_level[r["nodes"]] == 1)
 
 
 def test_build_tree_prediction_matches_decoding_with_an_exact_drafter(tok):

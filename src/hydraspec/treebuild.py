@@ -56,6 +56,9 @@ class Calibration:
     depth: int
     max_rank: int
     prompts: list[str] = field(default_factory=list)  # ids of the calibration prompts used
+    # per sequence and position: how many levels a draft model drafts there before its confidence stop
+    # (the engine trims to its token budget only after drafting); None: every level of the tree
+    levels: list[np.ndarray] | None = None
 
     @property
     def positions(self) -> int:
@@ -136,13 +139,15 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
 
 
 @torch.inference_mode()
-def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float | None = None) -> list[np.ndarray]:
+def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float | None = None,
+                levels: list | None = None) -> list[np.ndarray]:
     """r_d(p) for a draft model's top-k tree: its next-token ranking after S[.. p + 1 + d].
     `confidence` (the greedy early stop of `--draft-confidence`): where the draft model's top
     probability after S[.. p + 1 + d] is below it for some d >= 1, decoding drafts nothing from depth d
     on, so those ranks become "not proposed" (max_rank). This is exact for chains; for a branching tree,
     which is cut only where every parent of a level is unsure, it looks at the parent on the correct
-    path only (a slightly pessimistic estimate)."""
+    path only (a slightly pessimistic estimate). `levels`, a list, receives per sequence the number of
+    levels drafted at each position (what the draft model's work per step depends on)."""
     out = []
     dev = draft_model.device
     for seq, plen in seqs:
@@ -155,13 +160,16 @@ def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float 
         R = _rank_of(lg[:-1], s[1:]).cpu().numpy()  # R[j]: rank of S[j + 1] after S[.. j]
         idx = np.minimum(ps[:, None] + 1 + np.arange(depth)[None], len(R) - 1)
         r = np.minimum(R[idx], max_rank)
+        stop = np.zeros(r.shape, dtype=bool)
         if confidence:
             top = (lg.max(-1).values - torch.logsumexp(lg, -1)).cpu().numpy()  # log top probability
             unsure = top[idx] < np.log(confidence)
             unsure[:, 0] = False  # the chain always drafts its first token
-            r[np.cumsum(unsure, axis=1) > 0] = max_rank
-        r[_past_the_end(ps, len(seq), depth)] = max_rank
+            stop = np.cumsum(unsure, axis=1) > 0
+        r[stop | _past_the_end(ps, len(seq), depth)] = max_rank
         out.append(r)
+        if levels is not None:  # the draft model drafts before the engine trims to its budget: stops only
+            levels.append((~stop).sum(1))
     return out
 
 
@@ -236,6 +244,25 @@ def replay(cal: Calibration, tree: set) -> float:
         tokens += sum(acc) + len(acc)
         steps += len(acc)
     return tokens / steps if steps else 1.0
+
+
+def drafted_nodes(cal: Calibration, paths: list[list[int]]) -> float:
+    """Mean number of T's nodes a drafter actually drafts per verify step when greedy decoding replays
+    the calibration sequences with T (nodes deeper than the levels drafted at that position are not
+    drafted); len(paths) without `cal.levels`."""
+    if cal.levels is None:
+        return float(len(paths))
+    tree = set(map(tuple, paths))
+    per_depth = np.bincount([len(p) - 1 for p in paths], minlength=cal.depth)
+    cum = np.concatenate([[0], np.cumsum(per_depth)])  # cum[k]: nodes in the first k levels
+    total = steps = 0
+    for rows, lv in zip(cal.rows(), cal.levels):
+        p = 0
+        while p < len(rows):
+            total += cum[min(int(lv[p]), len(cum) - 1)]
+            steps += 1
+            p += _accepted(rows[p], tree) + 1
+    return total / steps if steps else float(len(paths))
 
 
 def grow_simulate(cal: Calibration, max_nodes: int, preselect: int = 8) -> tuple[list[list[int]], list[float]]:
@@ -475,13 +502,15 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     seqs = greedy_sequences(model, tokenizer, prompt_ids, max_new_tokens)
     log(f"calibration: {len(seqs)} greedy continuations ({sum(len(s) - p for s, p in seqs)} tokens) "
         f"in {time.perf_counter() - t0:.1f} s")
+    levels = None
     if heads is not None:
         ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank)
         kind = heads.kind
     else:
-        ranks = draft_ranks(draft_model, seqs, depth, max_rank, confidence=draft_confidence)
+        levels = [] if draft_confidence else None
+        ranks = draft_ranks(draft_model, seqs, depth, max_rank, confidence=draft_confidence, levels=levels)
         kind = "draft"
-    cal = Calibration(ranks, depth, max_rank, list(prompt_names))
+    cal = Calibration(ranks, depth, max_rank, list(prompt_names), levels=levels)
     if cal.positions == 0:
         raise HydraspecError("no calibration positions: every greedy continuation is shorter than 2 tokens; "
                              "raise --max-new-tokens or use other prompts")
@@ -501,6 +530,11 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
             return make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(), tree=paths)
         return make_drafter("draft", draft_model=draft_model, tree=paths, confidence=draft_confidence)
 
+    def make_drafter_plain(paths):  # the draft model drafting whole trees (timing)
+        from .drafters import make_drafter
+
+        return make_drafter("draft", draft_model=draft_model, tree=paths)
+
     sizes = [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
               "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
               "measured_tokens_per_s": None} for n in range(1, N + 1)]
@@ -509,12 +543,19 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     if select == "measure":
         sample = sample_sizes(N)
         seq, plen = max(seqs, key=lambda x: len(x[0]))
-        timed = time_steps(model, make, order, seq, plen, sample, reps=reps, want_hidden=heads is not None,
+        # With the confidence stop, how much a draft model drafts per step depends on the text, so timing
+        # it on one sequence says little: time whole trees (no stop) and charge each T_n the draft time of
+        # as many nodes as the replay shows it drafting per step on average.
+        timing_make = make if cal.levels is None else make_drafter_plain
+        timed = time_steps(model, timing_make, order, seq, plen, sample, reps=reps, want_hidden=heads is not None,
                            accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
         vs, ds = [timed[n][0] for n in sample], [timed[n][1] for n in sample]
         for row in sizes:
             n = row["nodes"]
-            v, d = interpolate(sample, vs, n), interpolate(sample, ds, n)
+            drafted = drafted_nodes(cal, order[:n])
+            if cal.levels is not None:
+                row["drafted_nodes"] = round(drafted, 3)
+            v, d = interpolate(sample, vs, n), interpolate(sample, ds, drafted)
             row.update(verify_s=round(v, 6), draft_s=round(d, 6), step_s=round(v + d, 6),
                        predicted_tokens_per_s=round(row["expected_tokens_per_step"] / (v + d), 4),
                        timed=n in timed)
@@ -560,7 +601,9 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                  "mean_accepted in hydraspec bench; times in seconds, measured on measured_on (batch size 1); "
                  "measured_tokens_per_s: greedy generation on the calibration prompts, end to end (the "
                  "selection criterion); measured_decode_tokens_per_s: the same without the prefill time, "
-                 "comparable to predicted_tokens_per_s; measured_tokens_per_step: its mean accepted length",
+                 "comparable to predicted_tokens_per_s; measured_tokens_per_step: its mean accepted length; "
+                 "drafted_nodes (draft model with a confidence stop): nodes drafted per step in the replay, "
+                 "draft_s is the timed whole-tree draft time at that many nodes",
         "method": method, "select": select,
         "drafter": {"kind": kind, "depth": depth, "max_rank": max_rank,
                     **({"confidence": draft_confidence} if heads is None and draft_confidence is not None else {}),
