@@ -138,22 +138,31 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
     return out
 
 
-@torch.inference_mode()
-def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float | None = None,
-                levels: list | None = None) -> list[np.ndarray]:
+def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float | None = None) -> list[np.ndarray]:
     """r_d(p) for a draft model's top-k tree: its next-token ranking after S[.. p + 1 + d].
     `confidence` (the greedy early stop of `--draft-confidence`): where the draft model's top
     probability after S[.. p + 1 + d] is below it for some d >= 1, decoding drafts nothing from depth d
     on, so those ranks become "not proposed" (max_rank). This is exact for chains; for a branching tree,
     which is cut only where every parent of a level is unsure, it looks at the parent on the correct
-    path only (a slightly pessimistic estimate). `levels`, a list, receives per sequence the number of
-    levels drafted at each position (what the draft model's work per step depends on)."""
-    out = []
+    path only (a slightly pessimistic estimate)."""
+    return draft_ranks_and_levels(draft_model, seqs, depth, max_rank, confidence)[0]
+
+
+@torch.inference_mode()
+def draft_ranks_and_levels(draft_model, seqs, depth: int, max_rank: int,
+                           confidence: float | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """draft_ranks, and per sequence the number of levels drafted at each position before the
+    confidence stop (what the draft model's work per step depends on; the engine trims drafts to its
+    token budget only after drafting, so the budget does not shorten them)."""
+    from .drafters.draft_model import log_top_prob
+
+    out, levels = [], []
     dev = draft_model.device
     for seq, plen in seqs:
         ps = np.array(list(_positions(len(seq), plen)), dtype=np.int64)
         if not len(ps):
             out.append(np.zeros((0, depth), dtype=np.int64))
+            levels.append(np.zeros(0, dtype=np.int64))
             continue
         s = torch.tensor(seq, device=dev)
         lg = draft_model(input_ids=s[None], use_cache=False).logits[0].float()
@@ -162,15 +171,13 @@ def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float 
         r = np.minimum(R[idx], max_rank)
         stop = np.zeros(r.shape, dtype=bool)
         if confidence:
-            top = (lg.max(-1).values - torch.logsumexp(lg, -1)).cpu().numpy()  # log top probability
-            unsure = top[idx] < np.log(confidence)
+            unsure = log_top_prob(lg).cpu().numpy()[idx] < np.log(confidence)
             unsure[:, 0] = False  # the chain always drafts its first token
             stop = np.cumsum(unsure, axis=1) > 0
         r[stop | _past_the_end(ps, len(seq), depth)] = max_rank
         out.append(r)
-        if levels is not None:  # the draft model drafts before the engine trims to its budget: stops only
-            levels.append((~stop).sum(1))
-    return out
+        levels.append((~stop).sum(1))
+    return out, levels
 
 
 # ---- growing trees -------------------------------------------------------------------------------
@@ -257,11 +264,10 @@ def drafted_nodes(cal: Calibration, paths: list[list[int]]) -> float:
     cum = np.concatenate([[0], np.cumsum(per_depth)])  # cum[k]: nodes in the first k levels
     total = steps = 0
     for rows, lv in zip(cal.rows(), cal.levels):
-        p = 0
-        while p < len(rows):
-            total += cum[min(int(lv[p]), len(cum) - 1)]
-            steps += 1
-            p += _accepted(rows[p], tree) + 1
+        acc = replay_steps(rows, tree)
+        at = np.cumsum([0] + [a + 1 for a in acc[:-1]])  # the position of each step
+        total += int(cum[np.minimum(lv[at], len(cum) - 1)].sum()) if acc else 0
+        steps += len(acc)
     return total / steps if steps else float(len(paths))
 
 
@@ -502,13 +508,13 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     seqs = greedy_sequences(model, tokenizer, prompt_ids, max_new_tokens)
     log(f"calibration: {len(seqs)} greedy continuations ({sum(len(s) - p for s, p in seqs)} tokens) "
         f"in {time.perf_counter() - t0:.1f} s")
-    levels = None
+    levels = None  # drafted levels per position: only a draft model's confidence stop makes them vary
     if heads is not None:
         ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank)
         kind = heads.kind
     else:
-        levels = [] if draft_confidence else None
-        ranks = draft_ranks(draft_model, seqs, depth, max_rank, confidence=draft_confidence, levels=levels)
+        ranks, levels = draft_ranks_and_levels(draft_model, seqs, depth, max_rank, confidence=draft_confidence)
+        levels = levels if draft_confidence else None
         kind = "draft"
     cal = Calibration(ranks, depth, max_rank, list(prompt_names), levels=levels)
     if cal.positions == 0:
@@ -523,17 +529,13 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     log(f"{method}: {N} nested trees from {cal.positions} positions; expected tokens/step "
         f"T1 {exp[0]:.3f}, T{N} {exp[-1]:.3f}")
 
-    def make(paths):  # paths None: the drafter's default
+    def make(paths, stop: bool = True):  # paths None: the drafter's default; stop=False: whole trees
         from .drafters import make_drafter
 
         if heads is not None:
             return make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(), tree=paths)
-        return make_drafter("draft", draft_model=draft_model, tree=paths, confidence=draft_confidence)
-
-    def make_drafter_plain(paths):  # the draft model drafting whole trees (timing)
-        from .drafters import make_drafter
-
-        return make_drafter("draft", draft_model=draft_model, tree=paths)
+        return make_drafter("draft", draft_model=draft_model, tree=paths,
+                            confidence=draft_confidence if stop else None)
 
     sizes = [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
               "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
@@ -546,7 +548,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
         # With the confidence stop, how much a draft model drafts per step depends on the text, so timing
         # it on one sequence says little: time whole trees (no stop) and charge each T_n the draft time of
         # as many nodes as the replay shows it drafting per step on average.
-        timing_make = make if cal.levels is None else make_drafter_plain
+        timing_make = make if cal.levels is None else lambda paths: make(paths, stop=False)
         timed = time_steps(model, timing_make, order, seq, plen, sample, reps=reps, want_hidden=heads is not None,
                            accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
         vs, ds = [timed[n][0] for n in sample], [timed[n][1] for n in sample]
@@ -672,4 +674,5 @@ def plot_tree(result: dict, path) -> None:
 
 
 __all__ = ["Calibration", "build_tree", "grow_medusa", "grow_simulate", "replay", "replay_steps", "expected_tokens",
-           "acceptance_table", "head_ranks", "draft_ranks", "greedy_sequences", "save_tree", "plot_tree"]
+           "acceptance_table", "head_ranks", "draft_ranks", "draft_ranks_and_levels", "drafted_nodes",
+           "greedy_sequences", "save_tree", "plot_tree"]

@@ -26,6 +26,11 @@ def check_vocab(target_tok, draft_tok) -> None:
 DEFAULT_CONFIDENCE = 0.4  # the chain's stop: the draft's top probability below this ends a draft
 
 
+def log_top_prob(logits: torch.Tensor) -> torch.Tensor:
+    """log of the largest probability under `logits` (last dimension): what the confidence stop tests."""
+    return logits.max(-1).values - torch.logsumexp(logits, -1)
+
+
 class DraftModelDrafter(Drafter):
     """Drafting with a smaller causal LM sharing the target's tokenizer (Leviathan et al. 2023).
 
@@ -89,7 +94,7 @@ class DraftModelDrafter(Drafter):
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         """The draft model's top probability under these logits is below `confidence`."""
-        return (logits.max() - torch.logsumexp(logits, -1)).item() < self.log_confidence
+        return log_top_prob(logits).item() < self.log_confidence
 
     def _depth_widths(self) -> list[int]:
         return self.widths if self.widths else [1] * self.k
