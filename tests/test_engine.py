@@ -409,3 +409,27 @@ def test_prompt_lookup_proposals():
     assert len(d.propose(st)) == 0
     with pytest.raises(ValueError):
         PromptLookupDrafter(num_tokens=0)
+
+
+def test_draft_model_prefills_its_prompt_at_start(tok):
+    """The draft model reads the prompt (all but the pending token) in start(), which the engine counts
+    as prefill; the first proposal then feeds one token, and still drafts the draft model's own greedy
+    continuation."""
+    from hydraspec.drafters.base import DecodeState
+    from hydraspec.sampling import Sampling
+
+    family, attn, seed = CASES[0]
+    draft = draft_for(family, attn, seed)
+    prompt = prompts_for(seed)[2]
+    d = DraftModelDrafter(draft, k=3, dynamic=False, confidence=0.0)
+    state = DecodeState(tokens=list(prompt), prompt_len=len(prompt), sampling=Sampling())
+    fed = []
+    hook = draft.register_forward_pre_hook(lambda mod, args, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        d.start(state, len(prompt) + 8)
+        assert fed == [len(prompt) - 1] and d.cache.length == len(prompt) - 1
+        tree = d.propose(state)
+    finally:
+        hook.remove()
+    assert fed[1] == 1  # the pending token only
+    assert tree.tokens.tolist() == run(draft, tok, None, prompt, 3).token_ids

@@ -86,11 +86,23 @@ class DraftModelDrafter(Drafter):
         if self.tree_parents is not None:
             self.max_nodes = len(self.tree_parents)
 
+    def _capacity(self, capacity: int) -> int:
+        return capacity + self.max_nodes + 1
+
+    @torch.inference_mode()
     def start(self, state: DecodeState, capacity: int) -> None:
-        self.cache = new_cache(self.model, capacity + self.max_nodes + 1)
+        """New cache, then the draft model's own prefill of the prompt (all but the pending token), so
+        that it counts as prefill and the first proposal feeds one token like every later one."""
+        self.cache = new_cache(self.model, self._capacity(capacity))
         self.n_cached = 0
         self.k = self.k0
         self.n_fed = 0
+        toks = state.tokens
+        if len(toks) > 1:
+            dev = self.model.device
+            forward_nodes(self.model, self.cache, torch.tensor(toks[:-1], dtype=torch.long, device=dev),
+                          torch.arange(len(toks) - 1, device=dev), None, 0, last_only=True)
+            self.n_cached = len(toks) - 1
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         """The draft model's top probability under these logits is below `confidence`."""

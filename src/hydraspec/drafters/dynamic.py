@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 
-from ..cache import new_cache
 from ..errors import HydraspecError
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, shape_of
@@ -193,10 +192,8 @@ class DynamicDraftModelDrafter(DraftModelDrafter):
         self.nodes, self.depth, self.topk = nodes, depth, topk
         self.max_nodes = nodes
 
-    def start(self, state: DecodeState, capacity: int) -> None:
-        super().start(state, capacity)
-        extra = self.topk * self.depth + self.nodes + 1
-        self.cache = new_cache(self.model, capacity + self.max_nodes + 1 + extra)
+    def _capacity(self, capacity: int) -> int:
+        return super()._capacity(capacity) + self.topk * self.depth + self.nodes + 1
 
     def _feeder(self, prefix: int):
         """Returns feed(tokens_of_new_nodes, fed_parent_of_each) -> logits rows, growing a tree of fed nodes
