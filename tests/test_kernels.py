@@ -131,3 +131,60 @@ def test_int8_draft_model_keeps_output_exact(tok):
             input_ids=prompt, max_new_tokens=24)
         assert res.token_ids == ref
         assert res.stats.mean_accepted > 1.0  # a close copy of the target keeps proposing accepted tokens
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_int4_linear_matches_its_dequantized_weight(use_native, monkeypatch):
+    from hydraspec import kernels
+    from hydraspec.kernels import Int4Linear
+    if use_native and kernels.native_lib() is None:
+        pytest.skip("native kernel not built here")
+    if not use_native:
+        monkeypatch.setattr(kernels, "native_lib", lambda: None)
+    torch.manual_seed(5)
+    lin = nn.Linear(128, 45, bias=True).to(torch.bfloat16)  # 45 outputs: a padded second block
+    q = Int4Linear(lin, group=64)
+    deq = q.dequantized()
+    assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (2, 128, 16)  # two 4-bit outputs a byte
+    assert q.scale.shape == (2, 2, 32)  # [blocks, groups, outputs]
+    # absmax/7 per (output, group of 64 inputs): every weight within half a step of its 4-bit value
+    step = q.scale.transpose(1, 2).reshape(-1, 2)[:45].repeat_interleave(64, dim=1)
+    assert ((deq - lin.weight.float()).abs() <= step / 2 + 1e-6).all()
+    assert (deq - lin.weight.float()).abs().max() > 0  # it does quantise
+    with torch.inference_mode():
+        for rows in (1, 5, 12, 13, 30):
+            x = torch.randn(rows, 128).bfloat16()
+            ref = x.double() @ deq.double().T + lin.bias.double()
+            torch.testing.assert_close(q(x).double(), ref.bfloat16().double(), atol=1e-6, rtol=8e-3)
+
+
+@native
+def test_int4_rows_do_not_depend_on_their_neighbours(kernel_path):
+    from hydraspec.kernels import Int4Linear
+    torch.manual_seed(6)
+    q = Int4Linear(nn.Linear(896, 70, bias=False).to(torch.bfloat16), group=64)
+    x = torch.randn(29, 896).bfloat16()
+    with torch.inference_mode():
+        together = q(x)
+        for i in (0, 7, 12, 28):
+            assert torch.equal(q(x[i:i + 1])[0], together[i])
+
+
+def test_int4_draft_model_keeps_output_exact(tok):
+    """4-bit drafts change acceptance, never the output; layers whose inputs no group size divides stay int8."""
+    from hydraspec.kernels import Int4Linear, Int8Linear, quantize_int4
+    target = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2, init_range=0.05)
+    draft = copy.deepcopy(target)
+    assert quantize_int4(draft) == 2 * 7 + 1
+    groups = {m.group for m in draft.modules() if isinstance(m, Int4Linear)}
+    assert groups == {32, 64}  # 96 inputs: groups of 32; the MLP's down projection (192): 64
+    odd = tiny.make_model("llama", seed=12, hidden=40, heads=4, kv_heads=2)
+    quantize_int4(odd)
+    assert isinstance(odd.lm_head, Int8Linear)  # 40 inputs: no int4 group fits
+    prompt = [4, 8, 15, 16, 23, 42]
+    ref = tiny.hf_greedy(target, prompt, 24)
+    for kw in ({}, {"widths": [2, 1]}):
+        res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=draft, confidence=0.0, **kw)).generate(
+            input_ids=prompt, max_new_tokens=24)
+        assert res.token_ids == ref
+        assert res.stats.mean_accepted > 1.0
