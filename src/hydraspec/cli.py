@@ -29,9 +29,9 @@ def add_model_args(p) -> None:
 
 
 def add_draft_quant_arg(p) -> None:
-    p.add_argument("--draft-quant", choices=["none", "int8", "int4"], default="none",
-                   help="hold the draft model's weights as int8 (CPU; half the bytes a draft token reads) or int4 "
-                        "(groups of 64 inputs per scale; about a quarter); the output stays the target's")
+    p.add_argument("--draft-quant", choices=["none", "int8"], default="none",
+                   help="hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads; "
+                        "the output stays the target's)")
 
 
 def add_verify_budget_arg(p) -> None:

@@ -93,9 +93,6 @@ def native_lib():
     lib.hs_linear_i8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_i8.restype = ctypes.c_int
-    lib.hs_linear_i4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    lib.hs_linear_i4.restype = ctypes.c_int
     lib.hs_linear_bf16_pairs.argtypes = fn.argtypes
     lib.hs_linear_bf16_pairs.restype = ctypes.c_int
     lib.hs_pack_bf16_pairs.argtypes = lib.hs_pack_bf16.argtypes
@@ -147,16 +144,13 @@ def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Ten
 
 
 def _native_call(fn, x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, out: int,
-                 bias32: torch.Tensor | None, group: int | None = None) -> torch.Tensor:
-    """Run one of the kernel's entry points (hs_linear_bf16 / hs_linear_i8 / hs_linear_i4 with `group`) on
-    bf16 rows x2 [rows, in]."""
+                 bias32: torch.Tensor | None) -> torch.Tensor:
+    """Run one of the kernel's entry points (hs_linear_bf16 / hs_linear_i8) on bf16 rows x2 [rows, in]."""
     x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out, dtype=torch.bfloat16)
     args = [x2.data_ptr(), x2.shape[0], x2.shape[1], packed.data_ptr()]
     if scale is not None:
         args.append(scale.data_ptr())
-    if group is not None:
-        args.append(group)
     if fn(*args, out, y.data_ptr(), None if bias32 is None else bias32.data_ptr(), torch.get_num_threads()):
         raise MemoryError("hydraspec CPU kernel: out of memory")
     return y
@@ -281,78 +275,16 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
-INT4_GROUPS = (64, 32)  # inputs per int4 scale: the first that divides a layer's input size
-
-
-class Int4Linear(nn.Module):
-    """A Linear whose weight is held as 4-bit integers with one fp32 scale per output and group of
-    `group` consecutive inputs (symmetric, absmax/7), for draft models: a bf16 activation row reads about
-    a quarter of the bytes of bf16 weights (0.56 bytes per weight with groups of 64). As with int8, only
-    how many draft tokens are accepted can change, never the generated text. Falls back to dequantised
-    fp32 math without the native kernel."""
-
-    def __init__(self, lin: nn.Module, group: int):
-        super().__init__()
-        self.in_features, self.out_features, self.group = lin.in_features, lin.out_features, group
-        if self.in_features % group:
-            raise ValueError(f"int4 groups of {group} do not divide {self.in_features} inputs")
-        with torch.no_grad():
-            w = lin.weight.detach().float()
-            pad = (-self.out_features) % PACK_BLOCK
-            w = torch.cat([w, w.new_zeros(pad, self.in_features)]) if pad else w
-            g = w.view(w.shape[0], -1, group)
-            scale = (g.abs().amax(-1) / 7.0).clamp_min(1e-12)  # [out, in/group]
-            q = (torch.round(g / scale[..., None]).clamp_(-8, 7) + 8).to(torch.uint8).view(w.shape)
-            qb = q.view(-1, PACK_BLOCK, self.in_features).transpose(1, 2)  # [blocks, in, 32]
-            half = PACK_BLOCK // 2
-            self.register_buffer("qweight", (qb[..., :half] | (qb[..., half:] << 4)).contiguous())
-            self.register_buffer("scale", scale.view(-1, PACK_BLOCK, scale.shape[1]).transpose(1, 2).contiguous())
-            self.register_buffer("bias32", None if lin.bias is None else lin.bias.detach().float().contiguous())
-
-    def dequantized(self) -> torch.Tensor:
-        qb = torch.cat([self.qweight & 15, self.qweight >> 4], dim=-1).float() - 8  # [blocks, in, 32]
-        s = self.scale.repeat_interleave(self.group, dim=1)  # [blocks, in, 32]
-        return (qb * s).transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = native_lib()
-        if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            y = _native_call(lib.hs_linear_i4, x.reshape(-1, self.in_features), self.qweight, self.scale,
-                             self.out_features, self.bias32, group=self.group)
-            return y.view(*x.shape[:-1], self.out_features)
-        y = nn.functional.linear(x.float(), self.dequantized(), self.bias32)
-        return y.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 weights (groups of {self.group})"
-
-
 def quantize_int8(model: nn.Module) -> int:
     """Swap every Linear / PackedLinear inside `model` for an Int8Linear (draft models only: the target
     must stay unquantised for the output to be the target's). Returns how many."""
-    return _swap_linears(model, Int8Linear)
-
-
-def quantize_int4(model: nn.Module) -> int:
-    """Swap every Linear / PackedLinear inside `model` for an Int4Linear, or an Int8Linear where no group
-    size of INT4_GROUPS divides the layer's inputs (draft models only). Returns how many."""
-    def make(lin):
-        for g in INT4_GROUPS:
-            if lin.in_features % g == 0:
-                return Int4Linear(lin, g)
-        return Int8Linear(lin)
-
-    return _swap_linears(model, make)
-
-
-def _swap_linears(model: nn.Module, make) -> int:
     todo = []
     for mod in model.modules():
         for child_name, child in mod.named_children():
             if type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu":
                 todo.append((mod, child_name, child))
     for parent, child_name, child in todo:
-        setattr(parent, child_name, make(child))
+        setattr(parent, child_name, Int8Linear(child))
     return len(todo)
 
 

@@ -671,12 +671,11 @@ def _resolve_source(name_or_path: str, dtype: str, auto_pull: bool, progress: bo
     return x, "hub"
 
 
-DRAFT_QUANT = ("none", "int8", "int4")
+DRAFT_QUANT = ("none", "int8")
 
 
 def quantize_draft(model, how: str | None):
-    """Quantise a draft model's Linear weights in place (``how``: none | int8 | int4, see
-    hydraspec.kernels.Int8Linear / Int4Linear); returns the model.
+    """Quantise a draft model's Linear weights in place (``how``: none | int8); returns the model.
     Only for drafters: the verified output comes from the unquantised target, so this changes how
     many draft tokens are accepted, never the generated text."""
     if how in (None, "none"):
@@ -684,10 +683,10 @@ def quantize_draft(model, how: str | None):
     if how not in DRAFT_QUANT:
         raise HydraspecError(f"unknown draft quantisation '{how}' (known: {', '.join(DRAFT_QUANT)})")
     if next(model.parameters()).device.type != "cpu":
-        raise HydraspecError(f"--draft-quant {how} runs on the CPU kernel only; drop it for GPU drafters")
-    from .kernels import quantize_int4, quantize_int8
+        raise HydraspecError("--draft-quant int8 runs on the CPU kernel only; drop it for GPU drafters")
+    from .kernels import quantize_int8
 
-    (quantize_int4 if how == "int4" else quantize_int8)(model)
+    quantize_int8(model)
     return model
 
 

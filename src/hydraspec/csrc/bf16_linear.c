@@ -151,12 +151,13 @@ void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
             }
 }
 
-/* x [n, in] bf16 -> fp32 row blocks of NB rows, block r laid out [in][nr] (nr = rows in that block),
-   what the fp32 micro-kernels broadcast from; NULL when out of memory */
-static float* to_row_blocks(const uint16_t* xb, int64_t n, int64_t in) {
+/* x [n, in] bf16 times packed weights wp ([ceil(out/32)][in][32], element size esize) -> y [n, out] bf16 */
+static int run(const mkfn* kern, size_t esize, const uint16_t* xb, int64_t n, int64_t in, const void* wp,
+               const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
     int64_t nrb = (n + NB - 1) / NB;
     float* xt = (float*)malloc((size_t)(nrb * NB * in) * sizeof(float));
-    if (!xt) return NULL;
+    if (!xt) return -1;
+    /* row block r: [in][nr] fp32, nr = rows in that block */
     for (int64_t r = 0; r < nrb; r++) {
         int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
         float* dst = xt + r * NB * in;
@@ -165,15 +166,6 @@ static float* to_row_blocks(const uint16_t* xb, int64_t n, int64_t in) {
             for (int64_t i = 0; i < in; i++) { uint32_t u = (uint32_t)src[i] << 16; memcpy(dst + i * nr + j, &u, 4); }
         }
     }
-    return xt;
-}
-
-/* x [n, in] bf16 times packed weights wp ([ceil(out/32)][in][32], element size esize) -> y [n, out] bf16 */
-static int run(const mkfn* kern, size_t esize, const uint16_t* xb, int64_t n, int64_t in, const void* wp,
-               const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int64_t nrb = (n + NB - 1) / NB;
-    float* xt = to_row_blocks(xb, n, in);
-    if (!xt) return -1;
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -200,60 +192,4 @@ int hs_linear_bf16(const uint16_t* xb, int64_t n, int64_t in, const uint16_t* wp
 int hs_linear_i8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const float* scale, int64_t out,
                  uint16_t* y, const float* bias, int nthreads) {
     return run(MQ, sizeof(int8_t), xb, n, in, wq, scale, out, y, bias, nthreads);
-}
-
-/* int4 weights with one fp32 scale per output and group of G consecutive inputs (symmetric, stored as
-   q + 8 in 0..15), for draft models: about a quarter of the bytes of bf16 per token.
-   wq: [ceil(out/32)][in][16] bytes, byte k of input i holding output k (low nibble) and output k + 16
-   (high nibble) of the block; scale: [ceil(out/32)][in/G][32] fp32. Each weight vector is widened to
-   fp32 as (q - 8) * scale, then multiplied as in the bf16 kernel: the same in-order fp32 sums over the
-   inputs, whatever the rows beside a row. */
-#define DEF4(N) \
-static void q4_##N(const float* xt, int64_t in, const uint8_t* wb, const float* sb, int64_t group, uint16_t* y, \
-                   int64_t out, int64_t o0, int64_t width, const float* bias) { \
-    __m512 a0[N], a1[N]; \
-    const __m128i lo4 = _mm_set1_epi8(0x0f); \
-    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); } \
-    for (int64_t g0 = 0; g0 < in; g0 += group) { \
-        const float* sg = sb + (g0 / group) * OB; \
-        __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16); \
-        __m512 m0 = _mm512_mul_ps(s0, _mm512_set1_ps(-8.0f)), m1 = _mm512_mul_ps(s1, _mm512_set1_ps(-8.0f)); \
-        for (int64_t i = g0; i < g0 + group; i++) { \
-            __m128i v = _mm_loadu_si128((const __m128i*)(wb + i * 16)); \
-            __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, lo4))), s0, m0); \
-            __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), lo4))), s1, m1); \
-            _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512 xv = _mm512_set1_ps(xt[i * N + j]); \
-                a0[j] = _mm512_fmadd_ps(w0, xv, a0[j]); a1[j] = _mm512_fmadd_ps(w1, xv, a1[j]); } \
-        } \
-    } \
-    float buf[OB]; \
-    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
-        _mm512_storeu_ps(buf, a0[j]); _mm512_storeu_ps(buf + 16, a1[j]); \
-        uint16_t* yr = y + j * out + o0; \
-        for (int64_t k = 0; k < width; k++) yr[k] = f2bf(buf[k] + (bias ? bias[o0 + k] : 0.0f)); } \
-}
-DEF4(1) DEF4(2) DEF4(3) DEF4(4) DEF4(5) DEF4(6) DEF4(7) DEF4(8) DEF4(9) DEF4(10) DEF4(11) DEF4(12)
-typedef void (*q4fn)(const float*, int64_t, const uint8_t*, const float*, int64_t, uint16_t*, int64_t, int64_t,
-                     int64_t, const float*);
-static const q4fn Q4[NB + 1] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6, q4_7, q4_8, q4_9, q4_10, q4_11, q4_12};
-
-/* x [n, in] bf16 times int4 weights (layout above; in a multiple of group) -> y [n, out] bf16.
-   Returns 0, or -1 when out of memory. */
-int hs_linear_i4(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* scale, int64_t group,
-                 int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int64_t nrb = (n + NB - 1) / NB;
-    float* xt = to_row_blocks(xb, n, in);
-    if (!xt) return -1;
-    int64_t nblk = (out + OB - 1) / OB, ngroups = in / group;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-            Q4[nr](xt + r * NB * in, in, wq + (size_t)(b * in * 16), scale + (size_t)(b * ngroups * OB), group,
-                   y + j0 * out, out, o0, width, bias);
-        }
-    }
-    free(xt);
-    return 0;
 }
