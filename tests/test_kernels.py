@@ -131,3 +131,46 @@ def test_int8_draft_model_keeps_output_exact(tok):
             input_ids=prompt, max_new_tokens=24)
         assert res.token_ids == ref
         assert res.stats.mean_accepted > 1.0  # a close copy of the target keeps proposing accepted tokens
+
+
+def test_w8a8_native_kernel_is_the_integer_arithmetic(monkeypatch):
+    """The VNNI kernel quantises each row to int8 and sums exactly in int32: bit-equal to the same integer
+    arithmetic in torch, for row counts inside and across the 12-row blocks and an input size that is not
+    a multiple of 4; and close to the unquantised product."""
+    from hydraspec import kernels
+    from hydraspec.kernels import W8A8Linear
+    if not kernels.vnni_available():
+        pytest.skip("no AVX512_VNNI kernel here")
+    torch.manual_seed(7)
+    lin = nn.Linear(130, 45, bias=True).to(torch.bfloat16)
+    q = W8A8Linear(lin)
+    assert q.qweight.shape == (2, 33, 32, 4) and q.int_weight().shape == (45, 130)
+    assert (q.dequantized() - lin.weight.float()).abs().max() <= q.scale.max() / 2 + 1e-6
+    with torch.inference_mode():
+        for rows in (1, 5, 12, 13, 30):
+            x = torch.randn(rows, 130).bfloat16()
+            native = q(x)
+            monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+            emulated = q(x)
+            monkeypatch.undo()
+            assert torch.equal(native, emulated)
+            ref = x.float() @ lin.weight.float().T + lin.bias.float()
+            assert (native.float() - ref).abs().max() < 0.03 * ref.abs().max()
+        together = q(x)
+        for i in (0, 12, 29):
+            assert torch.equal(q(x[i:i + 1])[0], together[i])
+
+
+def test_w8a8_draft_model_keeps_output_exact(tok):
+    from hydraspec.kernels import W8A8Linear, quantize_w8a8
+    target = tiny.cached_model("llama", "sdpa", 1)
+    draft = copy.deepcopy(target)
+    assert quantize_w8a8(draft) == 2 * 7 + 1
+    assert isinstance(draft.lm_head, W8A8Linear)
+    prompt = [4, 8, 15, 16, 23, 42]
+    ref = tiny.hf_greedy(target, prompt, 24)
+    for kw in ({}, {"widths": [2, 1]}):
+        res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=draft, confidence=0.0, **kw)).generate(
+            input_ids=prompt, max_new_tokens=24)
+        assert res.token_ids == ref
+        assert res.stats.mean_accepted > 1.0

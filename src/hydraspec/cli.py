@@ -29,9 +29,10 @@ def add_model_args(p) -> None:
 
 
 def add_draft_quant_arg(p) -> None:
-    p.add_argument("--draft-quant", choices=["none", "int8"], default="none",
-                   help="hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads; "
-                        "the output stays the target's)")
+    p.add_argument("--draft-quant", choices=["none", "int8", "w8a8"], default="none",
+                   help="hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads); w8a8: "
+                        "int8 weights and activations, multiplied with AVX512_VNNI (less arithmetic); the output "
+                        "stays the target's")
 
 
 def add_verify_budget_arg(p) -> None:
