@@ -174,3 +174,51 @@ def test_w8a8_draft_model_keeps_output_exact(tok):
             input_ids=prompt, max_new_tokens=24)
         assert res.token_ids == ref
         assert res.stats.mean_accepted > 1.0
+
+
+def test_w4a8_linear_is_its_integer_arithmetic(monkeypatch):
+    """4-bit weights in groups times int8 rows: the native kernel and the same integer arithmetic in torch
+    agree, weights sit within half a step of their 4-bit value, rows do not depend on their neighbours.
+    (The torch path alone runs in the draft-model test below: tiny fp32 models do not take the kernel.)"""
+    from hydraspec import kernels
+    from hydraspec.kernels import W4A8Linear
+    if not kernels.vnni_available():
+        pytest.skip("no AVX512_VNNI kernel here")
+    torch.manual_seed(8)
+    lin = nn.Linear(128, 45, bias=True).to(torch.bfloat16)
+    q = W4A8Linear(lin, group=64)
+    assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (2, 32, 16, 4)  # two outputs a byte
+    assert q.scale.shape == (2, 2, 32)
+    step = q.group_scales().repeat_interleave(64, dim=1)
+    assert ((q.dequantized() - lin.weight.float()).abs() <= step / 2 + 1e-6).all()
+    with torch.inference_mode():
+        for rows in (1, 5, 6, 7, 13, 30):  # inside and across the kernel's 6-row blocks
+            x = torch.randn(rows, 128).bfloat16()
+            native = q(x)
+            monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+            emulated = q(x)
+            monkeypatch.undo()
+            torch.testing.assert_close(native.float(), emulated.float(), atol=1e-6, rtol=8e-3)
+            ref = x.float() @ lin.weight.float().T + lin.bias.float()
+            assert (native.float() - ref).abs().max() < 0.1 * ref.abs().max()
+        together = q(x)
+        for i in (0, 6, 29):
+            assert torch.equal(q(x[i:i + 1])[0], together[i])
+
+
+def test_w4a8_draft_model_keeps_output_exact(tok):
+    from hydraspec.kernels import W4A8Linear, W8A8Linear, quantize_w4a8
+    target = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2, init_range=0.05)
+    draft = copy.deepcopy(target)
+    assert quantize_w4a8(draft) == 2 * 7 + 1
+    assert {m.group for m in draft.modules() if isinstance(m, W4A8Linear)} == {32, 64}  # 96 and 192 inputs
+    odd = tiny.make_model("llama", seed=12, hidden=40, heads=4, kv_heads=2)
+    quantize_w4a8(odd)
+    assert isinstance(odd.lm_head, W8A8Linear)  # 40 inputs: no 4-bit group fits
+    prompt = [4, 8, 15, 16, 23, 42]
+    ref = tiny.hf_greedy(target, prompt, 24)
+    for kw in ({}, {"widths": [2, 1]}):
+        res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=draft, confidence=0.0, **kw)).generate(
+            input_ids=prompt, max_new_tokens=24)
+        assert res.token_ids == ref
+        assert res.stats.mean_accepted > 1.0

@@ -96,6 +96,9 @@ def native_lib():
     lib.hs_linear_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_w8a8.restype = ctypes.c_int
+    lib.hs_linear_w4a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.hs_linear_w4a8.restype = ctypes.c_int
     lib.hs_linear_bf16_pairs.argtypes = fn.argtypes
     lib.hs_linear_bf16_pairs.restype = ctypes.c_int
     lib.hs_pack_bf16_pairs.argtypes = lib.hs_pack_bf16.argtypes
@@ -147,14 +150,16 @@ def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Ten
 
 
 def _native_call(fn, x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, out: int,
-                 bias32: torch.Tensor | None, *extra: torch.Tensor) -> torch.Tensor:
+                 bias32: torch.Tensor | None, *extra: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """Run one of the kernel's entry points (hs_linear_bf16 / hs_linear_i8 / hs_linear_w8a8, whose weight sums
-    come in `extra` before the scale) on bf16 rows x2 [rows, in]."""
+    come in `extra` before the scale / hs_linear_w4a8 with `group`) on bf16 rows x2 [rows, in]."""
     x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], out, dtype=torch.bfloat16)
     args = [x2.data_ptr(), x2.shape[0], x2.shape[1], packed.data_ptr(), *(t.data_ptr() for t in extra)]
     if scale is not None:
         args.append(scale.data_ptr())
+    if group is not None:
+        args.append(group)
     if fn(*args, out, y.data_ptr(), None if bias32 is None else bias32.data_ptr(), torch.get_num_threads()):
         raise MemoryError("hydraspec CPU kernel: out of memory")
     return y
@@ -341,6 +346,79 @@ class W8A8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+
+
+W4_GROUPS = (64, 32)  # inputs per 4-bit scale: the first that divides a layer's input size
+
+
+class W4A8Linear(nn.Module):
+    """4-bit weights (symmetric, one fp32 scale per output and group of `group` inputs) times activations
+    quantised to int8 per row, with AVX512_VNNI integer dot products: half the weight bytes of int8 and
+    the arithmetic of w8a8 (0.56 bytes per weight with groups of 64), for draft models whose int8 forward
+    is bound by memory. As with every draft quantisation only acceptance can move, never the output.
+    Without the native kernel the same integer sums run in torch (slow)."""
+
+    def __init__(self, lin: nn.Module, group: int):
+        super().__init__()
+        self.in_features, self.out_features, self.group = lin.in_features, lin.out_features, group
+        if group % 4 or self.in_features % group:
+            raise ValueError(f"4-bit groups of {group} inputs do not fit {self.in_features} inputs")
+        with torch.no_grad():
+            w = nn.functional.pad(lin.weight.detach().float(), (0, 0, 0, (-self.out_features) % PACK_BLOCK))
+            g = w.view(w.shape[0], -1, group)
+            scale = (g.abs().amax(-1) / 7.0).clamp_min(1e-12)  # [out, groups]
+            q = (torch.round(g / scale[..., None]).clamp_(-8, 7) + 8).to(torch.uint8).view(w.shape)
+            qb = q.view(-1, PACK_BLOCK, self.in_features // 4, 4).permute(0, 2, 1, 3)  # [blocks, in/4, 32, 4]
+            half = PACK_BLOCK // 2
+            self.register_buffer("qweight", (qb[:, :, :half] | (qb[:, :, half:] << 4)).contiguous())
+            self.register_buffer("scale", scale.view(-1, PACK_BLOCK, scale.shape[1]).transpose(1, 2).contiguous())
+            self.register_buffer("bias32", None if lin.bias is None else lin.bias.detach().float().contiguous())
+
+    def int_weight(self) -> torch.Tensor:
+        """The 4-bit weight as integers in [-8, 7], [out, in]."""
+        qb = torch.cat([self.qweight & 15, self.qweight >> 4], dim=2).to(torch.int32) - 8  # [blocks, in/4, 32, 4]
+        return qb.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
+
+    def group_scales(self) -> torch.Tensor:
+        """[out, groups] fp32."""
+        return self.scale.transpose(1, 2).reshape(-1, self.scale.shape[1])[: self.out_features]
+
+    def dequantized(self) -> torch.Tensor:
+        return self.int_weight().float() * self.group_scales().repeat_interleave(self.group, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if vnni_available() and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            y = _native_call(native_lib().hs_linear_w4a8, x2, self.qweight, self.scale, self.out_features,
+                             self.bias32, group=self.group)
+        else:  # the kernel's arithmetic: exact integer sums per group, scaled and added in group order
+            q, s = quantize_rows(x2)
+            w, gs = self.int_weight().double(), self.group_scales()
+            y = torch.zeros(x2.shape[0], self.out_features)
+            for k, i in enumerate(range(0, self.in_features, self.group)):
+                part = (q[:, i:i + self.group].double() @ w[:, i:i + self.group].T).float()
+                y = y + part * gs[:, k]
+            y = y * s[:, None]
+            if self.bias32 is not None:
+                y = y + self.bias32
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, 4-bit weights (groups of "
+                f"{self.group}), int8 activations")
+
+
+def quantize_w4a8(model: nn.Module) -> int:
+    """Swap every Linear / PackedLinear inside `model` for a W4A8Linear, or a W8A8Linear where no group size
+    of W4_GROUPS divides the layer's inputs (draft models only). Returns how many."""
+    def make(lin):
+        for g in W4_GROUPS:
+            if lin.in_features % g == 0:
+                return W4A8Linear(lin, g)
+        return W8A8Linear(lin)
+
+    return _swap_linears(model, make)
 
 
 def quantize_w8a8(model: nn.Module) -> int:

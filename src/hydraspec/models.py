@@ -671,12 +671,12 @@ def _resolve_source(name_or_path: str, dtype: str, auto_pull: bool, progress: bo
     return x, "hub"
 
 
-DRAFT_QUANT = ("none", "int8", "w8a8")
+DRAFT_QUANT = ("none", "int8", "w8a8", "w4a8")
 
 
 def quantize_draft(model, how: str | None):
-    """Quantise a draft model's Linear weights in place (``how``: none | int8 | w8a8, see
-    hydraspec.kernels.Int8Linear / W8A8Linear); returns the model.
+    """Quantise a draft model's Linear weights in place (``how``: none | int8 | w8a8 | w4a8, see
+    hydraspec.kernels.Int8Linear / W8A8Linear / W4A8Linear); returns the model.
     Only for drafters: the verified output comes from the unquantised target, so this changes how
     many draft tokens are accepted, never the generated text."""
     if how in (None, "none"):
@@ -685,11 +685,11 @@ def quantize_draft(model, how: str | None):
         raise HydraspecError(f"unknown draft quantisation '{how}' (known: {', '.join(DRAFT_QUANT)})")
     if next(model.parameters()).device.type != "cpu":
         raise HydraspecError(f"--draft-quant {how} runs on the CPU kernel only; drop it for GPU drafters")
-    from .kernels import quantize_int8, quantize_w8a8, vnni_available
+    from .kernels import quantize_int8, quantize_w4a8, quantize_w8a8, vnni_available
 
-    if how == "w8a8" and not vnni_available():
-        raise HydraspecError("--draft-quant w8a8 needs a CPU with AVX512_VNNI and the native kernel; use int8")
-    (quantize_w8a8 if how == "w8a8" else quantize_int8)(model)
+    if how in ("w8a8", "w4a8") and not vnni_available():
+        raise HydraspecError(f"--draft-quant {how} needs a CPU with AVX512_VNNI and the native kernel; use int8")
+    {"int8": quantize_int8, "w8a8": quantize_w8a8, "w4a8": quantize_w4a8}[how](model)
     return model
 
 

@@ -274,3 +274,82 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
     free(xq); free(sx);
     return 0;
 }
+
+/* 4-bit weights x int8 activations with AVX512_VNNI ("w4a8", draft models): half the weight bytes of int8
+   and the integer arithmetic of w8a8. Weights: symmetric 4-bit, one fp32 scale per output and group of G
+   inputs, stored as q + 8 in 0..15, which is vpdpbusd's unsigned operand; activations: int8 per row
+   (scale absmax/127), the signed operand. Per group the exact int32 sum of (q + 8) * x, less 8 * sum(x),
+   is scaled by the group's scale and added to an fp32 total in group order; the row's scale comes last.
+   wq: [ceil(out/32)][in/4][16][4] bytes: byte 4k+t of step p holds input 4p+t of output k (low nibble) and
+   of output k + 16 (high nibble); scale: [ceil(out/32)][in/G][32] fp32. Rows are independent. */
+#define NB4 6
+#define DEFW4(N) \
+VNNI static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4, const uint8_t* wb, \
+                        const float* sb, const float* sx, uint16_t* y, int64_t out, int64_t o0, int64_t width, \
+                        const float* bias) { \
+    __m512 f0[N], f1[N]; \
+    const __m512i lo = _mm512_set1_epi8(0x0f); \
+    _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
+    for (int64_t p0 = 0, g = 0; p0 < in4; p0 += g4, g++) { \
+        __m512i a0[N], a1[N]; \
+        _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
+        for (int64_t p = p0; p < p0 + g4; p++) { \
+            __m512i v = _mm512_loadu_si512(wb + p * 64); \
+            __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo); \
+            _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
+                a0[j] = _mm512_dpbusd_epi32(a0[j], w0, xv); a1[j] = _mm512_dpbusd_epi32(a1[j], w1, xv); } \
+        } \
+        __m512 s0 = _mm512_loadu_ps(sb + g * OB), s1 = _mm512_loadu_ps(sb + g * OB + 16); \
+        _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+            __m512i c = _mm512_set1_epi32(8 * xs[g * N + j]); \
+            f0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0[j], c)), s0, f0[j]); \
+            f1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1[j], c)), s1, f1[j]); } \
+    } \
+    float buf[OB]; \
+    _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+        _mm512_storeu_ps(buf, f0[j]); _mm512_storeu_ps(buf + 16, f1[j]); \
+        uint16_t* yr = y + j * out + o0; \
+        for (int64_t k = 0; k < width; k++) yr[k] = f2bf(buf[k] * sx[j] + (bias ? bias[o0 + k] : 0.0f)); } \
+}
+DEFW4(1) DEFW4(2) DEFW4(3) DEFW4(4) DEFW4(5) DEFW4(6)
+typedef void (*w4fn)(const int32_t*, const int32_t*, int64_t, int64_t, const uint8_t*, const float*, const float*,
+                     uint16_t*, int64_t, int64_t, int64_t, const float*);
+static const w4fn W4[NB4 + 1] = {0, w4_1, w4_2, w4_3, w4_4, w4_5, w4_6};
+
+/* x [n, in] bf16 times w4a8-packed weights (in a multiple of group, group a multiple of 4) -> y [n, out] bf16.
+   0, or -1 when out of memory. */
+int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* scale, int64_t group,
+                   int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    int64_t nrb = (n + NB4 - 1) / NB4, in4 = in / 4, g4 = group / 4, ng = in / group;
+    int32_t* xq = (int32_t*)malloc((size_t)(nrb * NB4 * in4) * sizeof(int32_t));
+    int32_t* xs = (int32_t*)malloc((size_t)(nrb * NB4 * ng) * sizeof(int32_t));
+    float* sx = (float*)malloc((size_t)(nrb * NB4) * sizeof(float));
+    uint8_t* codes = (uint8_t*)malloc((size_t)in);
+    if (!xq || !xs || !sx || !codes) { free(xq); free(xs); free(sx); free(codes); return -1; }
+    for (int64_t r = 0; r < nrb; r++) { /* row block r: codes [in4][nr] int32, group sums [ng][nr] */
+        int64_t j0 = r * NB4, nr = n - j0 < NB4 ? n - j0 : NB4;
+        for (int64_t j = 0; j < nr; j++) {
+            sx[j0 + j] = quantize_row(xb + (j0 + j) * in, in, codes, in4);
+            for (int64_t i = 0; i < in; i++) codes[i] = (uint8_t)((int)codes[i] - 128); /* back to signed int8 */
+            for (int64_t p = 0; p < in4; p++) memcpy(xq + r * NB4 * in4 + p * nr + j, codes + 4 * p, 4);
+            for (int64_t g = 0; g < ng; g++) {
+                int32_t s = 0;
+                for (int64_t i = g * group; i < (g + 1) * group; i++) s += (int8_t)codes[i];
+                xs[r * NB4 * ng + g * nr + j] = s;
+            }
+        }
+    }
+    free(codes);
+    int64_t nblk = (out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
+        for (int64_t r = 0; r < nrb; r++) {
+            int64_t j0 = r * NB4, nr = n - j0 < NB4 ? n - j0 : NB4;
+            W4[nr](xq + r * NB4 * in4, xs + r * NB4 * ng, in4, g4, wq + (size_t)(b * in4 * 64),
+                   scale + (size_t)(b * ng * OB), sx + j0, y + j0 * out, out, o0, width, bias);
+        }
+    }
+    free(xq); free(xs); free(sx);
+    return 0;
+}
