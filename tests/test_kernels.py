@@ -117,22 +117,6 @@ def test_int8_linear_matches_its_dequantized_weight(use_native, monkeypatch):
             torch.testing.assert_close(q(x).double(), ref.bfloat16().double(), atol=1e-6, rtol=8e-3)
 
 
-def test_int8_draft_model_keeps_output_exact(tok):
-    """Quantising the drafter may change acceptance, never the output (fp32 target, greedy)."""
-    from hydraspec.kernels import Int8Linear, quantize_int8
-    target = tiny.cached_model("llama", "sdpa", 1)
-    draft = copy.deepcopy(target)
-    assert quantize_int8(draft) == 2 * 7 + 1
-    assert isinstance(draft.lm_head, Int8Linear)
-    prompt = [4, 8, 15, 16, 23, 42]
-    ref = tiny.hf_greedy(target, prompt, 24)
-    for kw in ({}, {"widths": [2, 1]}):
-        res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=draft, **kw)).generate(
-            input_ids=prompt, max_new_tokens=24)
-        assert res.token_ids == ref
-        assert res.stats.mean_accepted > 1.0  # a close copy of the target keeps proposing accepted tokens
-
-
 def test_w8a8_native_kernel_is_the_integer_arithmetic(monkeypatch):
     """The VNNI kernel quantises each row to int8 and sums exactly in int32: bit-equal to the same integer
     arithmetic in torch, for row counts inside and across the 12-row blocks and an input size that is not
@@ -159,21 +143,6 @@ def test_w8a8_native_kernel_is_the_integer_arithmetic(monkeypatch):
         together = q(x)
         for i in (0, 12, 29):
             assert torch.equal(q(x[i:i + 1])[0], together[i])
-
-
-def test_w8a8_draft_model_keeps_output_exact(tok):
-    from hydraspec.kernels import W8A8Linear, quantize_w8a8
-    target = tiny.cached_model("llama", "sdpa", 1)
-    draft = copy.deepcopy(target)
-    assert quantize_w8a8(draft) == 2 * 7 + 1
-    assert isinstance(draft.lm_head, W8A8Linear)
-    prompt = [4, 8, 15, 16, 23, 42]
-    ref = tiny.hf_greedy(target, prompt, 24)
-    for kw in ({}, {"widths": [2, 1]}):
-        res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=draft, confidence=0.0, **kw)).generate(
-            input_ids=prompt, max_new_tokens=24)
-        assert res.token_ids == ref
-        assert res.stats.mean_accepted > 1.0
 
 
 def test_w4a8_linear_is_its_integer_arithmetic(monkeypatch):
@@ -206,19 +175,29 @@ def test_w4a8_linear_is_its_integer_arithmetic(monkeypatch):
             assert torch.equal(q(x[i:i + 1])[0], together[i])
 
 
-def test_w4a8_draft_model_keeps_output_exact(tok):
-    from hydraspec.kernels import W4A8Linear, W8A8Linear, quantize_w4a8
+@pytest.mark.parametrize("how", ["int8", "w8a8", "w4a8"])
+def test_quantised_draft_model_keeps_output_exact(how, tok):
+    """Quantising the drafter may change acceptance, never the output (fp32 target, greedy)."""
+    from hydraspec import kernels
+    kind = {"int8": kernels.Int8Linear, "w8a8": kernels.W8A8Linear, "w4a8": kernels.W4A8Linear}[how]
     target = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2, init_range=0.05)
     draft = copy.deepcopy(target)
-    assert quantize_w4a8(draft) == 2 * 7 + 1
-    assert {m.group for m in draft.modules() if isinstance(m, W4A8Linear)} == {32, 64}  # 96 and 192 inputs
-    odd = tiny.make_model("llama", seed=12, hidden=40, heads=4, kv_heads=2)
-    quantize_w4a8(odd)
-    assert isinstance(odd.lm_head, W8A8Linear)  # 40 inputs: no 4-bit group fits
+    assert getattr(kernels, f"quantize_{how}")(draft) == 2 * 7 + 1
+    assert isinstance(draft.lm_head, kind)
     prompt = [4, 8, 15, 16, 23, 42]
     ref = tiny.hf_greedy(target, prompt, 24)
     for kw in ({}, {"widths": [2, 1]}):
         res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=draft, confidence=0.0, **kw)).generate(
             input_ids=prompt, max_new_tokens=24)
         assert res.token_ids == ref
-        assert res.stats.mean_accepted > 1.0
+        assert res.stats.mean_accepted > 1.0  # a close copy of the target keeps proposing accepted tokens
+
+
+def test_w4a8_group_sizes_and_fallback():
+    from hydraspec.kernels import W4A8Linear, W8A8Linear, quantize_w4a8
+    draft = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2)
+    quantize_w4a8(draft)
+    assert {m.group for m in draft.modules() if isinstance(m, W4A8Linear)} == {32, 64}  # 96 and 192 inputs
+    odd = tiny.make_model("llama", seed=12, hidden=40, heads=4, kv_heads=2)
+    quantize_w4a8(odd)
+    assert isinstance(odd.lm_head, W8A8Linear)  # 40 inputs: no 4-bit group fits

@@ -225,24 +225,36 @@ typedef void (*vnfn)(const int32_t*, int64_t, const int8_t*, const int32_t*, con
                      int64_t, int64_t, int64_t, const float*);
 static const vnfn VN[NB + 1] = {0, vn_1, vn_2, vn_3, vn_4, vn_5, vn_6, vn_7, vn_8, vn_9, vn_10, vn_11, vn_12};
 
-/* One activation row x [in] bf16 -> u8 codes (q + 128, 4 to an int32 lane, zero inputs past `in` coded
-   128) and its scale; the same arithmetic as hydraspec.kernels.quantize_rows. */
-static float quantize_row(const uint16_t* x, int64_t in, uint8_t* codes, int64_t in4) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < in; i++) {
-        uint32_t u = (uint32_t)x[i] << 16; float f; memcpy(&f, &u, 4);
-        float a = f < 0 ? -f : f;
-        if (a > amax) amax = a;
+/* Activation rows x [n, in] bf16 -> int8 codes, 4 to an int32 lane, in row blocks of nb rows (block r laid
+   out [in4][nr]), and each row's scale (absmax/127, 1 for an all-zero row; round half to even: the
+   arithmetic of hydraspec.kernels.quantize_rows). Codes are q + offset: 128 gives vpdpbusd's unsigned
+   operand, 0 its signed one. Inputs past `in` are coded as zeros. 0, or -1 when out of memory. */
+static int quantize_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t in4, int64_t nb, int offset,
+                         int32_t* xq, float* sx) {
+    uint8_t* codes = (uint8_t*)malloc((size_t)(in4 * 4));
+    if (!codes) return -1;
+    for (int64_t row = 0; row < n; row++) {
+        const uint16_t* x = xb + row * in;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < in; i++) {
+            uint32_t u = (uint32_t)x[i] << 16; float f; memcpy(&f, &u, 4);
+            float a = f < 0 ? -f : f;
+            if (a > amax) amax = a;
+        }
+        float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        for (int64_t i = 0; i < in4 * 4; i++) {
+            float f = 0.0f;
+            if (i < in) { uint32_t u = (uint32_t)x[i] << 16; memcpy(&f, &u, 4); }
+            int q = _mm_cvtss_si32(_mm_set_ss(f / s)); /* round half to even (the default rounding mode) */
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            codes[i] = (uint8_t)(q + offset);
+        }
+        int64_t r = row / nb, j = row % nb, nr = n - r * nb < nb ? n - r * nb : nb;
+        for (int64_t p = 0; p < in4; p++) memcpy(xq + r * nb * in4 + p * nr + j, codes + 4 * p, 4);
+        sx[row] = s;
     }
-    float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-    for (int64_t i = 0; i < in4 * 4; i++) {
-        float f = 0.0f;
-        if (i < in) { uint32_t u = (uint32_t)x[i] << 16; memcpy(&f, &u, 4); }
-        int q = _mm_cvtss_si32(_mm_set_ss(f / s)); /* round half to even (the default rounding mode) */
-        q = q > 127 ? 127 : (q < -127 ? -127 : q);
-        codes[i] = (uint8_t)(q + 128);
-    }
-    return s;
+    free(codes);
+    return 0;
 }
 
 /* x [n, in] bf16 times w8a8-packed int8 weights -> y [n, out] bf16. 0, or -1 when out of memory. */
@@ -251,16 +263,7 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
     int64_t nrb = (n + NB - 1) / NB, in4 = (in + 3) / 4;
     int32_t* xq = (int32_t*)malloc((size_t)(nrb * NB * in4) * sizeof(int32_t));
     float* sx = (float*)malloc((size_t)(nrb * NB) * sizeof(float));
-    uint8_t* codes = (uint8_t*)malloc((size_t)(in4 * 4));
-    if (!xq || !sx || !codes) { free(xq); free(sx); free(codes); return -1; }
-    for (int64_t r = 0; r < nrb; r++) { /* row block r: [in4][nr] int32 */
-        int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-        for (int64_t j = 0; j < nr; j++) {
-            sx[j0 + j] = quantize_row(xb + (j0 + j) * in, in, codes, in4);
-            for (int64_t p = 0; p < in4; p++) memcpy(xq + r * NB * in4 + p * nr + j, codes + 4 * p, 4);
-        }
-    }
-    free(codes);
+    if (!xq || !sx || quantize_rows(xb, n, in, in4, NB, 128, xq, sx)) { free(xq); free(sx); return -1; }
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -324,22 +327,18 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
     int32_t* xq = (int32_t*)malloc((size_t)(nrb * NB4 * in4) * sizeof(int32_t));
     int32_t* xs = (int32_t*)malloc((size_t)(nrb * NB4 * ng) * sizeof(int32_t));
     float* sx = (float*)malloc((size_t)(nrb * NB4) * sizeof(float));
-    uint8_t* codes = (uint8_t*)malloc((size_t)in);
-    if (!xq || !xs || !sx || !codes) { free(xq); free(xs); free(sx); free(codes); return -1; }
-    for (int64_t r = 0; r < nrb; r++) { /* row block r: codes [in4][nr] int32, group sums [ng][nr] */
-        int64_t j0 = r * NB4, nr = n - j0 < NB4 ? n - j0 : NB4;
-        for (int64_t j = 0; j < nr; j++) {
-            sx[j0 + j] = quantize_row(xb + (j0 + j) * in, in, codes, in4);
-            for (int64_t i = 0; i < in; i++) codes[i] = (uint8_t)((int)codes[i] - 128); /* back to signed int8 */
-            for (int64_t p = 0; p < in4; p++) memcpy(xq + r * NB4 * in4 + p * nr + j, codes + 4 * p, 4);
+    if (!xq || !xs || !sx || quantize_rows(xb, n, in, in4, NB4, 0, xq, sx)) { free(xq); free(xs); free(sx); return -1; }
+    for (int64_t r = 0; r < nrb; r++) { /* each row's code sum per group, row block r laid out [ng][nr] */
+        int64_t nr = n - r * NB4 < NB4 ? n - r * NB4 : NB4;
+        const int8_t* c = (const int8_t*)(xq + r * NB4 * in4); /* [in4][nr][4] codes */
+        for (int64_t j = 0; j < nr; j++)
             for (int64_t g = 0; g < ng; g++) {
-                int32_t s = 0;
-                for (int64_t i = g * group; i < (g + 1) * group; i++) s += (int8_t)codes[i];
-                xs[r * NB4 * ng + g * nr + j] = s;
+                int32_t sum = 0;
+                for (int64_t p = g * g4; p < (g + 1) * g4; p++)
+                    for (int t = 0; t < 4; t++) sum += c[(p * nr + j) * 4 + t];
+                xs[r * NB4 * ng + g * nr + j] = sum;
             }
-        }
     }
-    free(codes);
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
