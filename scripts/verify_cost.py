@@ -1,6 +1,6 @@
 """Time one forward of a model over n new tokens after a 100-token prefix (the cost of a verify step).
 
-    python scripts/verify_cost.py qwen2.5-coder-1.5b-instruct --dtype bfloat16 [--no-prepack]
+    python scripts/verify_cost.py qwen2.5-coder-1.5b-instruct --dtype bfloat16 [--no-prepack] [--quant int8|w8a8|w4a8]
 
 Prints the best of 3 runs per n, in ms. Used for the CPU kernel table in README.md.
 """
@@ -10,15 +10,17 @@ import time
 import torch
 from transformers import DynamicCache
 
-from hydraspec.models import load_model
+from hydraspec.models import DRAFT_QUANT, load_model, quantize_draft
 
 p = argparse.ArgumentParser()
 p.add_argument("model")
 p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--no-prepack", action="store_true")
 p.add_argument("--sizes", default="1,2,4,8,16,32")
+p.add_argument("--quant", choices=DRAFT_QUANT, default="none", help="quantise as a draft model (--draft-quant)")
 a = p.parse_args()
 model, _ = load_model(a.model, dtype=a.dtype, progress=False, prepack=not a.no_prepack)
+quantize_draft(model, a.quant)
 torch.manual_seed(0)
 prefix = torch.randint(100, 10000, (1, 100))
 with torch.inference_mode():
@@ -33,4 +35,4 @@ with torch.inference_mode():
             model(x, past_key_values=cache, use_cache=True)
             best = min(best, time.perf_counter() - t)
         row.append(f"{n}: {best * 1e3:.0f}")
-    print(f"{a.model} {a.dtype} {'plain' if a.no_prepack else 'hydraspec kernels'} (ms per forward) -> " + ", ".join(row))
+    print(f"{a.model} {a.dtype} {'plain' if a.no_prepack else 'hydraspec kernels'} {a.quant} (ms per forward) -> " + ", ".join(row))
