@@ -289,8 +289,10 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
+@lru_cache(maxsize=1)
 def vnni_available() -> bool:
-    """Whether the native kernel can run int8 x int8 dot products here (AVX512_VNNI)."""
+    """Whether the native kernel can run int8 x int8 dot products here (AVX512_VNNI); decided once, as
+    every w8a8 / w4a8 Linear call asks."""
     return native_lib() is not None and "avx512_vnni" in _cpu_flags()
 
 
