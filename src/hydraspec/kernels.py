@@ -210,6 +210,17 @@ def fp32_plain_rows() -> tuple[int, ...]:
     return _FP32_PLAIN_ROWS
 
 
+@lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a weight of this dtype here: its bf16 path needs AVX-512 (BW, VL, DQ)
+    or AVX-NE-CONVERT and refuses on other CPUs, e.g. AVX2-only ones; those keep the plain kernel."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 class PackedLinear(nn.Module):
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -223,7 +234,7 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             if self.native:  # the kernel's blocked layout (one more bf16 copy of the weight)
                 self.packed = pack_bf16(lin.weight)
-            else:
+            elif onednn_packs(lin.weight.dtype):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), None)
         # row counts where the plain kernel is faster: bf16 without the native kernel (measured on a
         # 2-core AVX-512 CPU without native bf16); float32 measured on this CPU (fp32_plain_rows)
@@ -244,7 +255,7 @@ class PackedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kind = "native bf16 kernel" if self.native else "prepacked"
+        kind = "native bf16 kernel" if self.native else "prepacked" if self.packed is not None else "plain"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
