@@ -433,3 +433,45 @@ def test_draft_model_prefills_its_prompt_at_start(tok):
         hook.remove()
     assert fed[1] == 1  # the pending token only
     assert tree.tokens.tolist() == run(draft, tok, None, prompt, 3).token_ids
+
+
+
+@pytest.mark.parametrize("confidence", [0.0, 0.3])
+def test_draft_leaves_keep_greedy_output_and_get_accepted(confidence, tok):
+    """Runner-up leaves on the draft chain (leaves=, gain threshold 0 so that tiny unsure models get
+    them): greedy output stays plain decoding's, leaves are verified and sometimes accepted (the step
+    then emits a token beyond the rejected chain token), and the draft cache keeps only chain tokens.
+    Without the confidence stop the leaves are siblings along a 4-token chain; with it (tiny models are
+    unsure) the chain stops after one token and the leaves hang where it stopped."""
+    family, attn, seed = CASES[2]
+    model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
+
+    class Watch(DraftModelDrafter):
+        hits, sizes = 0, []
+
+        def propose(self, state):
+            if self.n_cached:  # the draft cache holds the sequence's own tokens (first layer's keys)
+                with torch.no_grad():
+                    fresh = self.model(torch.tensor([state.tokens[: self.n_cached]]), use_cache=True)
+                torch.testing.assert_close(self.cache.layers[0].keys, fresh.past_key_values.layers[0].keys)
+            self.tree = super().propose(state)
+            self.sizes.append(len(self.tree.parents))
+            return self.tree
+
+        def observe(self, state, accepted):
+            chain_accepted = [i for i in accepted if i not in self.leaf_nodes]
+            assert chain_accepted == accepted[: len(chain_accepted)]  # a leaf can only end the path
+            self.hits += len(chain_accepted) < len(accepted)
+            before = self.n_cached
+            super().observe(state, accepted)
+            assert self.cache.length == self.n_cached <= before + len(chain_accepted)
+
+    hits = 0
+    for prompt in prompts_for(seed):
+        d = Watch(draft, k=4, dynamic=False, confidence=confidence, leaves=3, leaf_gain=0.0)
+        r = run(model, tok, d, prompt, N_NEW)
+        assert r.token_ids == tiny.hf_greedy(model, prompt, N_NEW)
+        check_stats(r)
+        assert max(d.sizes) <= d.max_nodes and any(n > 1 for n in d.sizes)
+        hits += d.hits
+    assert hits > 0

@@ -52,6 +52,9 @@ def add_method_args(p) -> None:
                    help="greedy drafting by the draft model stops when its top probability falls below this "
                         "(default 0.4 for the chain; off for a static --tree unless given, then the tree is "
                         "cut at the first level where every parent is below it; 0 turns it off)")
+    p.add_argument("--draft-leaves", type=int, default=None, metavar="N",
+                   help="greedy draft chain: hang up to N of the draft model's runner-up tokens on the chain as "
+                        "extra leaves (one verify row each, no draft forward; default 0)")
     p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra)")
     p.add_argument("--tree", help="token tree for medusa/hydra/draft: a tree.json from `hydraspec build-tree`, a "
                                   "JSON list of rank paths, or 'dynamic' (--tree-nodes, --tree-depth, --tree-topk)")
@@ -116,8 +119,20 @@ def build_drafter(args, target_tok, draft=None, model=None):
                                 tree=load_tree_spec(args.tree), confidence=args.draft_confidence)
         return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                             k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
-                            confidence=args.draft_confidence)
+                            confidence=args.draft_confidence, **leaves_option(args, widths))
     return make_drafter("ar")
+
+
+def leaves_option(args, widths=None) -> dict:
+    """--draft-leaves as a make_drafter option (the chain's only; refused for a tree of widths)."""
+    n = getattr(args, "draft_leaves", None)
+    if n is None:
+        return {}
+    if n < 0:
+        raise HydraspecError("--draft-leaves must be >= 0")
+    if widths and n:
+        raise HydraspecError("--draft-leaves applies to the draft chain, not to --draft-tree")
+    return {"leaves": n}
 
 
 def is_dynamic(args) -> bool:

@@ -65,6 +65,9 @@ def add_parser(subparsers):
     p.add_argument("--draft-confidence", type=float, default=None,
                    help="greedy drafting by the draft model stops when its top probability falls below this "
                         "(default 0.4 for the chain; off for a static tree unless given)")
+    p.add_argument("--draft-leaves", type=int, default=None, metavar="N",
+                   help="greedy draft chain: up to N of the draft model's runner-up tokens as extra leaves "
+                        "(default 0); method variant draft@leaves=N sets it for one method")
     add_draft_quant_arg(p)  # for draft and hf-assisted alike
     p.add_argument("--pld-tokens", type=int, default=10,
                    help="most tokens prompt lookup proposes, ours and transformers' (default 10)")

@@ -80,18 +80,26 @@ def tree_variant(name: str) -> MethodSpec | None:
     """'NAME@TREE' -> a registered variant of method NAME that uses its own tree (a tree.json file,
     'dynamic' with the --tree-nodes/--tree-depth sizes, or 'default': the heads' default tree or the
     draft model's chain), so that several trees can be compared in one bench run; None when NAME
-    takes no tree."""
+    takes no tree. 'draft@leaves=N': the draft model's chain with N runner-up leaves
+    (--draft-leaves N)."""
     base_name, _, tree = name.partition("@")
     base = METHODS.get(base_name)
     if base is None or not tree or "tree" not in base.settings or base.tree is not None:
         return None
+    leaves = None
+    if tree.startswith("leaves="):
+        if base_name != "draft" or not tree[7:].isdigit():
+            return None
+        leaves = int(tree[7:])
     if name not in METHODS:
         def factory(ctx: BenchContext, base=base, tree=tree) -> Runner:
             import copy
             import dataclasses
 
             args = copy.copy(ctx.args)
-            args.tree = None if tree == "default" else tree
+            args.tree = None if tree == "default" or leaves is not None else tree
+            if leaves is not None:
+                args.draft_leaves = leaves
             return base.factory(dataclasses.replace(ctx, args=args))
 
         register(MethodSpec(name, factory, f"{base.help}; tree {tree}", base.needs_draft, base.needs_heads,
@@ -122,6 +130,8 @@ def method_settings(name: str, args) -> dict:
     s = {k: getattr(args, k, None) for k in spec.settings}
     if spec.tree is not None:
         s["tree"] = None if spec.tree == "default" else spec.tree
+        if spec.tree.startswith("leaves="):  # draft@leaves=N: the chain with its own --draft-leaves
+            s["tree"], s["draft_leaves"] = None, int(spec.tree[7:])
     # dynamic-tree sizes only matter with --tree dynamic, and a draft chain has no tree: leaving them out
     # keeps records made before --tree existed resumable
     if str(s.get("tree") or "").strip().lower() != "dynamic":
@@ -130,8 +140,9 @@ def method_settings(name: str, args) -> dict:
         s.pop("tree_topk", None)
     if name == "draft" and s.get("tree") is None:
         s.pop("tree", None)
-    if s.get("draft_confidence", 0) is None:  # the default: records made before the option stay resumable
-        s.pop("draft_confidence")
+    for k in ("draft_confidence", "draft_leaves"):
+        if k in s and s[k] is None:  # the default: records made before the option stay resumable
+            s.pop(k)
     return s
 
 
@@ -177,8 +188,10 @@ def _engine(method: str):
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
                                        confidence=conf, **_tree_options(a))
             else:
+                from ..cli import leaves_option
+
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
-                                       draft_tokenizer=dtok, k=a.draft_k, confidence=conf)
+                                       draft_tokenizer=dtok, k=a.draft_k, confidence=conf, **leaves_option(a))
         else:
             drafter = make_drafter(method)
         return EngineRunner(ctx, drafter)
@@ -310,8 +323,8 @@ def _hf(kind: str):
 register(MethodSpec("ar", _engine("ar"), "plain autoregressive decoding through the hydraspec engine"))
 register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--draft-model, --draft-k)",
                     needs_draft=True,
-                    settings=("draft_model", "draft_k", "draft_confidence", "tree", "tree_nodes", "tree_depth",
-                              "tree_topk")))
+                    settings=("draft_model", "draft_k", "draft_confidence", "draft_leaves", "tree", "tree_nodes",
+                              "tree_depth", "tree_topk")))
 register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
                     settings=("pld_tokens",)))
 register(MethodSpec("medusa", _heads("medusa"), "hydraspec with Medusa heads (--heads, --tree)",

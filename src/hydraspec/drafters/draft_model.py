@@ -24,6 +24,7 @@ def check_vocab(target_tok, draft_tok) -> None:
 
 
 DEFAULT_CONFIDENCE = 0.4  # the chain's stop: the draft's top probability below this ends a draft
+DEFAULT_LEAF_GAIN = 0.05  # a runner-up leaf must be estimated to add at least this many tokens per step
 
 
 def log_top_prob(logits: torch.Tensor) -> torch.Tensor:
@@ -47,14 +48,28 @@ class DraftModelDrafter(Drafter):
     With `confidence` given (default: off for static trees), greedy decoding cuts a static tree at the
     first level where the draft model's top token has probability below it under every parent, as the
     chain stops drafting.
+    `leaves` (greedy chain mode): up to this many runner-up tokens hang as extra, never-expanded leaves
+    on the chain: the draft's second choice at a chain position, and its first and second choices where
+    the confidence stop ended the chain. Their logits are already computed, so a leaf costs one verify
+    row and no draft forward; if the target rejects the chain token there but takes the leaf, the step
+    emits one more token. Leaves are ranked by their estimated gain (the draft's probability of reaching
+    the position times the leaf's probability) and kept when it is at least `leaf_gain`.
     """
 
     name = "draft"
 
     def __init__(self, model, k: int = 5, dynamic: bool = True, widths: list[int] | None = None,
-                 max_k: int = 16, confidence: float | None = None, tree=None):
+                 max_k: int = 16, confidence: float | None = None, tree=None, leaves: int = 0,
+                 leaf_gain: float = DEFAULT_LEAF_GAIN):
         check_supported(model)
         self.model = model
+        if leaves < 0:
+            raise HydraspecError(f"draft leaves must be >= 0, got {leaves}")
+        if not 0 <= leaf_gain <= 1:
+            raise HydraspecError(f"leaf gain must be in [0, 1], got {leaf_gain}")
+        self.leaves, self.leaf_gain = leaves, leaf_gain
+        self.fed_slot: dict[int, int] | None = None  # tree index -> draft cache slot, when they differ
+        self.leaf_nodes: set[int] = set()  # indices of the last proposal's runner-up leaves
         self.tree_parents = None
         if tree is not None:
             from ..tree import load_tree_spec, parents_from_paths
@@ -85,6 +100,9 @@ class DraftModelDrafter(Drafter):
             self.max_nodes = max_k if self.dynamic else k
         if self.tree_parents is not None:
             self.max_nodes = len(self.tree_parents)
+        if self.widths or self.tree_parents is not None:
+            self.leaves = 0  # leaves hang on the chain only
+        self.max_nodes += self.leaves
 
     def _capacity(self, capacity: int) -> int:
         return capacity + self.max_nodes + 1
@@ -129,9 +147,14 @@ class DraftModelDrafter(Drafter):
         qrows: list[torch.Tensor] = []
         frontier = [(-1, logits[-1])]  # (parent node, logits at that parent)
         fed = 0
+        self.fed_slot, self.leaf_nodes = None, set()
+        leafy = greedy and self.leaves > 0
+        dists: list[torch.Tensor] = []  # chain mode with leaves: logits at each chain position (+ the stop's)
         for depth, width in enumerate(widths):
             for parent, lg in frontier:
                 if greedy:
+                    if leafy:
+                        dists.append(lg)
                     top = torch.topk(lg, width)
                     if self.confidence > 0 and not self.widths and tokens and self._unsure(lg):
                         continue  # always propose at least one token
@@ -155,10 +178,49 @@ class DraftModelDrafter(Drafter):
             frontier = list(zip(new, lg_new))
             fed = len(tokens)
         self.n_fed = fed
+        if leafy:
+            return self._with_leaves(tokens, dists, fed)
         q = None
         if qrows:
             q = torch.stack(qrows)
         return DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents), q)
+
+    def _with_leaves(self, chain: list[int], dists: list[torch.Tensor], fed: int) -> DraftTree:
+        """The greedy chain plus up to `leaves` runner-up leaves (see the class doc), in BFS order.
+        dists[j]: the draft's logits the token at chain position j was (or, at j == len(chain), would
+        have been) chosen from."""
+        n = len(chain)
+        logp = torch.log_softmax(torch.stack(dists).float(), -1)
+        top = torch.topk(logp, 2, dim=-1)
+        p, ids = top.values.exp().tolist(), top.indices.tolist()
+        cands = []  # (gain, position, token)
+        reach = 1.0  # the draft's probability that the chain is accepted up to position j
+        for j in range(len(dists)):
+            if j < n:
+                cands.append((reach * p[j][1], j, ids[j][1]))
+                reach *= p[j][0]
+            else:  # where the confidence stop ended the chain: its first and second choices
+                cands += [(reach * p[j][0], j, ids[j][0]), (reach * p[j][1], j, ids[j][1])]
+        cands = sorted((c for c in cands if c[0] >= self.leaf_gain), reverse=True)[: self.leaves]
+        if not cands:
+            return DraftTree(torch.tensor(chain, dtype=torch.long), tuple(range(-1, n - 1)))
+        leaves_at: dict[int, list[int]] = {}
+        for _, j, x in sorted(cands, key=lambda c: (c[1], -c[0])):
+            leaves_at.setdefault(j, []).append(x)
+        tokens, parents, chain_idx = [], [], []
+        for j in range(max(n, max(leaves_at) + 1)):
+            parent = chain_idx[j - 1] if j else -1
+            if j < n:
+                chain_idx.append(len(tokens))
+                tokens.append(chain[j])
+                parents.append(parent)
+            for x in leaves_at.get(j, []):
+                self.leaf_nodes.add(len(tokens))
+                tokens.append(x)
+                parents.append(parent)
+        self.fed_slot = {chain_idx[j]: j for j in range(fed)}
+        self.n_fed = fed
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents))
 
     def _propose_paths(self, state: DecodeState, root_logits: torch.Tensor, prefix: int) -> DraftTree:
         """A static tree of rank paths: one draft forward per depth over all nodes of that depth."""
@@ -218,7 +280,10 @@ class DraftModelDrafter(Drafter):
         return DraftTree(torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qrows))
 
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
-        kept = [i for i in accepted if i < self.n_fed]
+        if self.fed_slot is not None:  # leaves moved the chain's indices: map them to cache slots
+            kept = [self.fed_slot[i] for i in accepted if i in self.fed_slot]
+        else:
+            kept = [i for i in accepted if i < self.n_fed]
         prefix = self.n_cached
         self.cache.keep(prefix, torch.tensor(kept, dtype=torch.long))
         self.n_cached = prefix + len(kept)
