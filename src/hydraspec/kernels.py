@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-shared", "-fPIC"]
+_CFLAGS_AVX2 = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 
 
 @lru_cache(maxsize=1)
@@ -50,20 +51,33 @@ def _cpu_has_avx512() -> bool:
     return {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
 
 
+def native_isa() -> str | None:
+    """Which build of the native kernel this CPU runs: 'avx512' (csrc/bf16_linear.c: bf16 and int8
+    weights, w8a8/w4a8 with VNNI, vdpbf16ps with AVX512_BF16), 'avx2' (csrc/avx2_linear.c: bf16 and int8
+    weights, same layout and same sums) or None."""
+    if _cpu_has_avx512():
+        return "avx512"
+    if {"avx2", "fma"} <= _cpu_flags():
+        return "avx2"
+    return None
+
+
 @lru_cache(maxsize=1)
 def native_lib():
     """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""
-    if os.environ.get("HYDRASPEC_NATIVE", "1") == "0" or not _cpu_has_avx512():
+    isa = native_isa()
+    if os.environ.get("HYDRASPEC_NATIVE", "1") == "0" or isa is None:
         return None
-    src = Path(__file__).with_name("csrc") / "bf16_linear.c"
+    src = Path(__file__).with_name("csrc") / ("bf16_linear.c" if isa == "avx512" else "avx2_linear.c")
     if not src.exists():
         return None
     from .models import hydraspec_home
 
+    flags = _CFLAGS if isa == "avx512" else _CFLAGS_AVX2
     text = src.read_bytes()
-    key = hashlib.sha256(text + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = hydraspec_home() / "kernels"
-    so = out_dir / f"bf16_linear-{key}.so"
+    so = out_dir / f"{src.stem}-{key}.so"
     if not so.exists():
         cc = os.environ.get("CC", "cc")
         try:
@@ -71,7 +85,7 @@ def native_lib():
             with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
                 tmp_so = Path(tmp) / so.name
                 for extra in (["-fopenmp"], []):  # OpenMP splits the rows over cores when present
-                    res = subprocess.run([cc, *_CFLAGS, *extra, str(src), "-o", str(tmp_so)],
+                    res = subprocess.run([cc, *flags, *extra, str(src), "-o", str(tmp_so)],
                                          capture_output=True, text=True)
                     if res.returncode == 0:
                         break
@@ -93,6 +107,8 @@ def native_lib():
     lib.hs_linear_i8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_i8.restype = ctypes.c_int
+    if isa != "avx512":
+        return lib
     lib.hs_linear_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_w8a8.restype = ctypes.c_int
