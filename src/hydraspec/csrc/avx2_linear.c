@@ -120,7 +120,7 @@ void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
    over all 32 outputs of a block; more rows: passes of up to 6 rows over each half of a block. */
 static int run(const fullfn* full, const halffn* half, size_t esize, const uint16_t* xb, int64_t n, int64_t in,
                const void* wp, const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int rb = n < NF ? NF : NB;
+    int rb = n <= NF ? NF : NB;
     int64_t nrb = (n + rb - 1) / rb;
     float* xt = (float*)malloc((size_t)(nrb * rb * in) * sizeof(float));
     if (!xt) return -1;
