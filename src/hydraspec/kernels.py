@@ -1,5 +1,5 @@
 """Faster CPU matmuls for the stock model classes: oneDNN-prepacked Linear weights, and a small
-native kernel for bf16 weights on AVX-512 CPUs without native bf16 arithmetic.
+native kernel for bf16 weights on AVX-512 and AVX2 CPUs without native bf16 arithmetic.
 
 A plain `nn.Linear` on CPU repacks its weight into the GEMM kernel's blocked layout on every call;
 for the few rows of a decoding step that repacking, not the arithmetic or the weight read, dominates.
@@ -17,8 +17,11 @@ and multiplies it with 12 fp32 activation rows at a time while reading the weigh
 weights are packed in input pairs for vdpbf16ps instead, twice the arithmetic per instruction: a
 Qwen2.5-1.5B forward over 16 tokens went from ~330 to ~160 ms on a 2-core AMD EPYC. It is compiled on first use
 with the system C compiler into the hydraspec home (`kernels/`) and used when the CPU has AVX-512
-(set HYDRASPEC_NATIVE=0 to turn it off). Without a compiler or AVX-512 everything falls back to
-oneDNN, only slower.
+(set HYDRASPEC_NATIVE=0 to turn it off). CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, older
+Intel) get `csrc/avx2_linear.c` instead: bf16 and int8 weights in the same layout and with the same
+sums (there oneDNN refuses to prepack bf16 weights, and torch's plain bf16 matmul grows with every
+row: a Qwen2.5-1.5B forward took 213 ms for 1 token and 2446 ms for 16 on a 2-core Zen 3). Without a
+compiler or either instruction set everything falls back to torch, only slower.
 """
 from __future__ import annotations
 
