@@ -201,3 +201,48 @@ def test_w4a8_group_sizes_and_fallback():
     odd = tiny.make_model("llama", seed=12, hidden=40, heads=4, kv_heads=2)
     quantize_w4a8(odd)
     assert isinstance(odd.lm_head, W8A8Linear)  # 40 inputs: no 4-bit group fits
+
+
+def _cpu_runs(isa):
+    from hydraspec import kernels
+    flags = kernels._cpu_flags()
+    return {"avx2", "fma"} <= flags if isa == "avx2" else {"avx512f", "avx512bw", "avx512vl"} <= flags
+
+
+@pytest.mark.parametrize("in_features", [1536, 40, 7])
+def test_avx2_kernel_sums_like_the_avx512_kernel(in_features, monkeypatch):
+    """The AVX2 build (CPUs without AVX-512) keeps the AVX-512 build's layout and summation order: on a
+    CPU that runs both, their bf16 and int8 results are bit-identical for every row count (1-2 rows
+    take its whole-block pass, more rows its half-block passes); on an AVX2-only CPU it matches the
+    float64 product."""
+    from hydraspec import kernels
+    from hydraspec.kernels import Int8Linear, native_linear_bf16
+    if not _cpu_runs("avx2"):
+        pytest.skip("no AVX2 + FMA on this CPU")
+    avx2 = kernels.build_native("avx2")
+    if avx2 is None:
+        pytest.skip("no C compiler")
+    avx512 = kernels.build_native("avx512") if _cpu_runs("avx512") else None
+    monkeypatch.setattr(kernels, "bf16_dot", lambda: False)
+    torch.manual_seed(7)
+    lin = nn.Linear(in_features, 77, bias=True).to(torch.bfloat16)  # 77 outputs: a partial third block
+    for rows in (1, 2, 3, 6, 7, 13, 40):
+        x = torch.randn(rows, in_features).bfloat16()
+        got = {}
+        for name, lib in (("avx2", avx2), ("avx512", avx512)):
+            if lib is None:
+                continue
+            monkeypatch.setattr(kernels, "native_lib", lambda lib=lib: lib)
+            q = Int8Linear(lin)
+            with torch.inference_mode():
+                got[name] = (native_linear_bf16(x, lin.weight, lin.bias.float()), q(x), q.dequantized())
+        y, yq, deq = got["avx2"]
+        ref = x.double() @ lin.weight.double().T + lin.bias.double()
+        torch.testing.assert_close(y.double(), ref.bfloat16().double(), atol=1e-6, rtol=8e-3)
+        refq = x.double() @ deq.double().T + lin.bias.double()
+        torch.testing.assert_close(yq.double(), refq.bfloat16().double(), atol=1e-6, rtol=8e-3)
+        for i in range(rows):  # a row's result does not depend on the rows beside it
+            monkeypatch.setattr(kernels, "native_lib", lambda: avx2)
+            assert torch.equal(native_linear_bf16(x[i:i + 1], lin.weight, lin.bias.float())[0], y[i])
+        if "avx512" in got:
+            assert torch.equal(got["avx512"][0], y) and torch.equal(got["avx512"][1], yq)

@@ -71,6 +71,13 @@ def native_lib():
     isa = native_isa()
     if os.environ.get("HYDRASPEC_NATIVE", "1") == "0" or isa is None:
         return None
+    return build_native(isa)
+
+
+@lru_cache(maxsize=None)
+def build_native(isa: str):
+    """Compile (once, cached on disk) and load the kernel for `isa` ('avx512' or 'avx2'), or None.
+    An AVX-512 CPU also runs the AVX2 build, which lets tests compare the two."""
     src = Path(__file__).with_name("csrc") / ("bf16_linear.c" if isa == "avx512" else "avx2_linear.c")
     if not src.exists():
         return None
