@@ -46,6 +46,8 @@ DRAFTERS = {
     "draft-chain": lambda m: make_drafter("draft", draft_model(), k=3, dynamic=True, max_k=6, confidence=0.0),
     "draft-confident": lambda m: make_drafter("draft", draft_model(), k=4, confidence=0.05),
     "draft-tree": lambda m: make_drafter("draft", draft_model(), widths=[2, 2, 1]),
+    "draft-leaves": lambda m: make_drafter("draft", draft_model(), k=3, dynamic=False, confidence=0.0, leaves=2,
+                                           leaf_gain=0.0),
     "medusa": lambda m: make_drafter("medusa", heads=heads("medusa"), embed=m.get_input_embeddings(), tree=TREE),
     "hydra": lambda m: make_drafter("hydra", heads=heads("hydra"), embed=m.get_input_embeddings(), tree=TREE),
     "hydra++": lambda m: make_drafter("hydra++", heads=heads("hydra++"), embed=m.get_input_embeddings(), tree=TREE),

@@ -526,7 +526,7 @@ class _BatchDraft:
     def make(drafter, capacity: int, rows_max: int):
         from .drafters.draft_model import DraftModelDrafter
 
-        if type(drafter) is not DraftModelDrafter or drafter.widths:
+        if type(drafter) is not DraftModelDrafter or drafter.widths or drafter.leaves:  # leaves: per row
             return None
         return _BatchDraft(drafter, capacity, rows_max)
 
