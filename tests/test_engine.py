@@ -475,3 +475,24 @@ def test_draft_leaves_keep_greedy_output_and_get_accepted(confidence, tok):
         assert max(d.sizes) <= d.max_nodes and any(n > 1 for n in d.sizes)
         hits += d.hits
     assert hits > 0
+
+
+def test_draft_leaves_refuse_bad_settings():
+    import argparse
+
+    from hydraspec.cli import leaves_option
+    family, attn, seed = CASES[0]
+    draft = draft_for(family, attn, seed)
+    assert leaves_option(argparse.Namespace(draft_leaves=2)) == {"leaves": 2}
+    assert leaves_option(argparse.Namespace(draft_leaves=None, tree="dynamic")) == {}
+    for bad, match in ((argparse.Namespace(draft_leaves=-1), ">= 0"),
+                       (argparse.Namespace(draft_leaves=2, tree="dynamic"), "draft chain"),
+                       (argparse.Namespace(draft_leaves=1, tree="tree.json"), "draft chain")):
+        with pytest.raises(HydraspecError, match=match):
+            leaves_option(bad)
+    with pytest.raises(HydraspecError, match=">= 0"):
+        DraftModelDrafter(draft, leaves=-1)
+    with pytest.raises(HydraspecError, match="leaf gain"):
+        DraftModelDrafter(draft, leaves=2, leaf_gain=1.5)
+    with pytest.raises(HydraspecError, match="chain only"):
+        DraftModelDrafter(draft, widths=[2, 1], leaves=3)

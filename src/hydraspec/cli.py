@@ -110,6 +110,7 @@ def build_drafter(args, target_tok, draft=None, model=None):
         if getattr(args, "tree", None):
             if widths:
                 raise HydraspecError("give either --draft-tree or --tree, not both")
+            leaves_option(args)
             if is_dynamic(args):
                 return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                                     **dynamic_options(args))
@@ -124,14 +125,14 @@ def build_drafter(args, target_tok, draft=None, model=None):
 
 
 def leaves_option(args, widths=None) -> dict:
-    """--draft-leaves as a make_drafter option (the chain's only; refused for a tree of widths)."""
+    """--draft-leaves as a make_drafter option (the chain's only; refused with a draft tree)."""
     n = getattr(args, "draft_leaves", None)
     if n is None:
         return {}
     if n < 0:
         raise HydraspecError("--draft-leaves must be >= 0")
-    if widths and n:
-        raise HydraspecError("--draft-leaves applies to the draft chain, not to --draft-tree")
+    if n and (widths or getattr(args, "tree", None)):
+        raise HydraspecError("--draft-leaves applies to the draft chain, not to --draft-tree or --tree")
     return {"leaves": n}
 
 

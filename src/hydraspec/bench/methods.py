@@ -184,14 +184,15 @@ def _engine(method: str):
                 raise HydraspecError("method 'draft' needs --draft-model")
             dm, dtok = ctx.draft
             conf = getattr(a, "draft_confidence", None)
+            from ..cli import leaves_option
+
+            leaves = leaves_option(a)  # refuses leaves with a tree
             if getattr(a, "tree", None):
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
                                        confidence=conf, **_tree_options(a))
             else:
-                from ..cli import leaves_option
-
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
-                                       draft_tokenizer=dtok, k=a.draft_k, confidence=conf, **leaves_option(a))
+                                       draft_tokenizer=dtok, k=a.draft_k, confidence=conf, **leaves)
         else:
             drafter = make_drafter(method)
         return EngineRunner(ctx, drafter)

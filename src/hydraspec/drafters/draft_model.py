@@ -100,8 +100,8 @@ class DraftModelDrafter(Drafter):
             self.max_nodes = max_k if self.dynamic else k
         if self.tree_parents is not None:
             self.max_nodes = len(self.tree_parents)
-        if self.widths or self.tree_parents is not None:
-            self.leaves = 0  # leaves hang on the chain only
+        if self.leaves and (self.widths or self.tree_parents is not None):
+            raise HydraspecError("draft leaves hang on the draft chain only, not on a tree")
         self.max_nodes += self.leaves
 
     def _capacity(self, capacity: int) -> int:
