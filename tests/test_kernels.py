@@ -246,3 +246,15 @@ def test_avx2_kernel_sums_like_the_avx512_kernel(in_features, monkeypatch):
             assert torch.equal(native_linear_bf16(x[i:i + 1], lin.weight, lin.bias.float())[0], y[i])
         if "avx512" in got:
             assert torch.equal(got["avx512"][0], y) and torch.equal(got["avx512"][1], yq)
+
+
+def test_reports_name_the_cpu_kernel(monkeypatch):
+    """Bench reports say which native build ran (a CPU model name does not tell Zen 3 from Zen 4)."""
+    from hydraspec import kernels
+    from hydraspec.bench.report import machine_info, machine_line
+    expected = "torch" if kernels.native_lib() is None else (
+        "avx512-bf16dot" if kernels.bf16_dot() else kernels.native_isa())
+    assert kernels.describe() == expected
+    assert machine_line(machine_info("bfloat16", "cpu")).endswith(f"CPU kernel {expected}")
+    monkeypatch.setattr(kernels, "native_lib", lambda: None)
+    assert kernels.describe() == "torch"

@@ -65,6 +65,15 @@ def native_isa() -> str | None:
     return None
 
 
+def describe() -> str:
+    """Which CPU matmul path bf16 weights take here, for benchmark reports: 'avx512-bf16dot',
+    'avx512', 'avx2' (the native kernel's builds) or 'torch' (no native kernel)."""
+    isa = native_isa() if native_lib() is not None else None
+    if isa is None:
+        return "torch"
+    return "avx512-bf16dot" if bf16_dot() else isa
+
+
 @lru_cache(maxsize=1)
 def native_lib():
     """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""

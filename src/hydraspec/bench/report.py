@@ -46,6 +46,10 @@ def machine_info(dtype: str, device: str) -> dict:
     }
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    elif os.environ.get("HYDRASPEC_PREPACK", "1") != "0":
+        from ..kernels import describe
+
+        info["cpu_kernel"] = describe()  # which native build ran: the CPU model alone does not tell
     return info
 
 
@@ -55,6 +59,8 @@ def machine_line(m: dict) -> str:
         parts.append(f"GPU: {m['gpu']}")
     parts += [f"torch {m.get('torch')}", f"transformers {m.get('transformers')}", f"hydraspec {m.get('hydraspec')}",
               f"dtype {m.get('dtype')}", f"device {m.get('device')}"]
+    if m.get("cpu_kernel"):
+        parts.append(f"CPU kernel {m['cpu_kernel']}")
     return " | ".join(parts)
 
 
