@@ -50,15 +50,11 @@ def _cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
-def _cpu_has_avx512() -> bool:
-    return {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
-
-
 def native_isa() -> str | None:
     """Which build of the native kernel this CPU runs: 'avx512' (csrc/bf16_linear.c: bf16 and int8
     weights, w8a8/w4a8 with VNNI, vdpbf16ps with AVX512_BF16), 'avx2' (csrc/avx2_linear.c: bf16 and int8
     weights, same layout and same sums) or None."""
-    if _cpu_has_avx512():
+    if {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
         return "avx512"
     if {"avx2", "fma"} <= _cpu_flags():
         return "avx2"

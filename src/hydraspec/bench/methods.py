@@ -76,6 +76,15 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+def variant_args(base_name: str, tree: str) -> dict | None:
+    """The args a 'NAME@TREE' variant sets: its --tree ('default': none, the drafter's own), or for
+    'draft@leaves=N' the draft chain with --draft-leaves N; None when TREE is not valid for NAME."""
+    if tree.startswith("leaves="):
+        n = tree.removeprefix("leaves=")
+        return {"tree": None, "draft_leaves": int(n)} if base_name == "draft" and n.isdigit() else None
+    return {"tree": None if tree == "default" else tree}
+
+
 def tree_variant(name: str) -> MethodSpec | None:
     """'NAME@TREE' -> a registered variant of method NAME that uses its own tree (a tree.json file,
     'dynamic' with the --tree-nodes/--tree-depth sizes, or 'default': the heads' default tree or the
@@ -86,20 +95,17 @@ def tree_variant(name: str) -> MethodSpec | None:
     base = METHODS.get(base_name)
     if base is None or not tree or "tree" not in base.settings or base.tree is not None:
         return None
-    leaves = None
-    if tree.startswith("leaves="):
-        if base_name != "draft" or not tree[7:].isdigit():
-            return None
-        leaves = int(tree[7:])
+    overrides = variant_args(base_name, tree)
+    if overrides is None:
+        return None
     if name not in METHODS:
-        def factory(ctx: BenchContext, base=base, tree=tree) -> Runner:
+        def factory(ctx: BenchContext, base=base) -> Runner:
             import copy
             import dataclasses
 
             args = copy.copy(ctx.args)
-            args.tree = None if tree == "default" or leaves is not None else tree
-            if leaves is not None:
-                args.draft_leaves = leaves
+            for k, v in overrides.items():
+                setattr(args, k, v)
             return base.factory(dataclasses.replace(ctx, args=args))
 
         register(MethodSpec(name, factory, f"{base.help}; tree {tree}", base.needs_draft, base.needs_heads,
@@ -129,9 +135,7 @@ def method_settings(name: str, args) -> dict:
     spec = METHODS[name]
     s = {k: getattr(args, k, None) for k in spec.settings}
     if spec.tree is not None:
-        s["tree"] = None if spec.tree == "default" else spec.tree
-        if spec.tree.startswith("leaves="):  # draft@leaves=N: the chain with its own --draft-leaves
-            s["tree"], s["draft_leaves"] = None, int(spec.tree[7:])
+        s.update(variant_args(name.partition("@")[0], spec.tree))
     # dynamic-tree sizes only matter with --tree dynamic, and a draft chain has no tree: leaving them out
     # keeps records made before --tree existed resumable
     if str(s.get("tree") or "").strip().lower() != "dynamic":

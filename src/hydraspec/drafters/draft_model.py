@@ -190,9 +190,10 @@ class DraftModelDrafter(Drafter):
         dists[j]: the draft's logits the token at chain position j was (or, at j == len(chain), would
         have been) chosen from."""
         n = len(chain)
-        logp = torch.log_softmax(torch.stack(dists).float(), -1)
-        top = torch.topk(logp, 2, dim=-1)
-        p, ids = top.values.exp().tolist(), top.indices.tolist()
+        lg = torch.stack(dists).float()
+        top = torch.topk(lg, 2, dim=-1)
+        p = (top.values - torch.logsumexp(lg, -1, keepdim=True)).exp().tolist()
+        ids = top.indices.tolist()
         cands = []  # (gain, position, token)
         reach = 1.0  # the draft's probability that the chain is accepted up to position j
         for j in range(len(dists)):
@@ -219,7 +220,6 @@ class DraftModelDrafter(Drafter):
                 tokens.append(x)
                 parents.append(parent)
         self.fed_slot = {chain_idx[j]: j for j in range(fed)}
-        self.n_fed = fed
         return DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents))
 
     def _propose_paths(self, state: DecodeState, root_logits: torch.Tensor, prefix: int) -> DraftTree:
