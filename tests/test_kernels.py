@@ -117,26 +117,28 @@ def test_int8_linear_matches_its_dequantized_weight(use_native, monkeypatch):
             torch.testing.assert_close(q(x).double(), ref.bfloat16().double(), atol=1e-6, rtol=8e-3)
 
 
-def test_w8a8_native_kernel_is_the_integer_arithmetic(monkeypatch):
-    """The VNNI kernel quantises each row to int8 and sums exactly in int32: bit-equal to the same integer
-    arithmetic in torch, for row counts inside and across the 12-row blocks and an input size that is not
-    a multiple of 4; and close to the unquantised product."""
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_w8a8_native_kernel_is_the_integer_arithmetic(isa, monkeypatch):
+    """The int8-activation kernel quantises each row to int8 and sums exactly in int32: bit-equal to the
+    same integer arithmetic in torch, for row counts inside and across the row blocks (12 rows with VNNI,
+    3 with AVX2) and an input size that is not a multiple of 4; and close to the unquantised product.
+    "avx2" forces the AVX2 build (vpmaddubsw), which AVX-512 CPUs run too."""
     from hydraspec import kernels
     from hydraspec.kernels import W8A8Linear
-    if not kernels.vnni_available():
-        pytest.skip("no AVX512_VNNI kernel here")
+    lib = _int8_dot_build(isa, monkeypatch)
     torch.manual_seed(7)
     lin = nn.Linear(130, 45, bias=True).to(torch.bfloat16)
     q = W8A8Linear(lin)
     assert q.qweight.shape == (2, 33, 32, 4) and q.int_weight().shape == (45, 130)
     assert (q.dequantized() - lin.weight.float()).abs().max() <= q.scale.max() / 2 + 1e-6
     with torch.inference_mode():
-        for rows in (1, 5, 12, 13, 30):
+        for rows in (1, 2, 3, 4, 5, 12, 13, 30):
             x = torch.randn(rows, 130).bfloat16()
+            x[0, :7] = torch.tensor([127.0, -127.0, 1.0, -1.0, 0.0, 127.0, -127.0])  # extreme codes of row 0
             native = q(x)
-            monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+            monkeypatch.setattr(kernels, "int8_dot_lib", lambda: None)
             emulated = q(x)
-            monkeypatch.undo()
+            monkeypatch.setattr(kernels, "int8_dot_lib", lambda: lib)
             assert torch.equal(native, emulated)
             ref = x.float() @ lin.weight.float().T + lin.bias.float()
             assert (native.float() - ref).abs().max() < 0.03 * ref.abs().max()
@@ -145,28 +147,47 @@ def test_w8a8_native_kernel_is_the_integer_arithmetic(monkeypatch):
             assert torch.equal(q(x[i:i + 1])[0], together[i])
 
 
-def test_w4a8_linear_is_its_integer_arithmetic(monkeypatch):
+def _int8_dot_build(isa, monkeypatch):
+    """The w8a8/w4a8 kernel build for a test: this CPU's choice ("native") or the AVX2 build; skips where
+    it cannot run, and makes the Linear modules use it."""
+    from hydraspec import kernels
+    if isa == "native":
+        lib = kernels.int8_dot_lib()
+    else:
+        lib = kernels.build_native("avx2") if _cpu_runs("avx2") else None
+    if lib is None:
+        pytest.skip(f"no {isa} int8 dot-product kernel here")
+    monkeypatch.setattr(kernels, "int8_dot_lib", lambda: lib)
+    return lib
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_w4a8_linear_is_its_integer_arithmetic(isa, group, monkeypatch):
     """4-bit weights in groups times int8 rows: the native kernel and the same integer arithmetic in torch
     agree, weights sit within half a step of their 4-bit value, rows do not depend on their neighbours.
+    Groups of 64 inputs take two int16 rounds of the AVX2 kernel, groups of 32 one.
     (The torch path alone runs in the draft-model test below: tiny fp32 models do not take the kernel.)"""
     from hydraspec import kernels
     from hydraspec.kernels import W4A8Linear
-    if not kernels.vnni_available():
-        pytest.skip("no AVX512_VNNI kernel here")
+    lib = _int8_dot_build(isa, monkeypatch)
     torch.manual_seed(8)
     lin = nn.Linear(128, 45, bias=True).to(torch.bfloat16)
-    q = W4A8Linear(lin, group=64)
+    with torch.no_grad():
+        lin.weight[3, :group] = 1.0  # every code of a group at 15 (q = 7): the largest int16 sums
+    q = W4A8Linear(lin, group=group)
     assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (2, 32, 16, 4)  # two outputs a byte
-    assert q.scale.shape == (2, 2, 32)
-    step = q.group_scales().repeat_interleave(64, dim=1)
+    assert q.scale.shape == (2, 128 // group, 32)
+    step = q.group_scales().repeat_interleave(group, dim=1)
     assert ((q.dequantized() - lin.weight.float()).abs() <= step / 2 + 1e-6).all()
     with torch.inference_mode():
-        for rows in (1, 5, 6, 7, 13, 30):  # inside and across the kernel's 6-row blocks
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 30):  # inside and across the kernels' 3- and 6-row blocks
             x = torch.randn(rows, 128).bfloat16()
+            x[0] = 1.0  # row 0: every code at 127
             native = q(x)
-            monkeypatch.setattr(kernels, "vnni_available", lambda: False)
+            monkeypatch.setattr(kernels, "int8_dot_lib", lambda: None)
             emulated = q(x)
-            monkeypatch.undo()
+            monkeypatch.setattr(kernels, "int8_dot_lib", lambda: lib)
             torch.testing.assert_close(native.float(), emulated.float(), atol=1e-6, rtol=8e-3)
             ref = x.float() @ lin.weight.float().T + lin.bias.float()
             assert (native.float() - ref).abs().max() < 0.1 * ref.abs().max()

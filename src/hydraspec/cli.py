@@ -31,9 +31,9 @@ def add_model_args(p) -> None:
 def add_draft_quant_arg(p) -> None:
     p.add_argument("--draft-quant", choices=["none", "int8", "w8a8", "w4a8"], default="none",
                    help="hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads); w8a8: "
-                        "int8 weights and activations, multiplied with AVX512_VNNI (less arithmetic); w4a8: 4-bit "
-                        "weights (groups of 64 inputs) and int8 activations with AVX512_VNNI (half the bytes of "
-                        "int8); the output stays the target's")
+                        "int8 weights and activations, multiplied as integers (AVX512_VNNI, or AVX2; less "
+                        "arithmetic); w4a8: 4-bit weights (groups of 64 inputs) and int8 activations (half the "
+                        "bytes of int8); the output stays the target's")
 
 
 def add_verify_budget_arg(p) -> None:

@@ -18,8 +18,8 @@ weights are packed in input pairs for vdpbf16ps instead, twice the arithmetic pe
 Qwen2.5-1.5B forward over 16 tokens went from ~330 to ~160 ms on a 2-core AMD EPYC. It is compiled on first use
 with the system C compiler into the hydraspec home (`kernels/`) and used when the CPU has AVX-512
 (set HYDRASPEC_NATIVE=0 to turn it off). CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, older
-Intel) get `csrc/avx2_linear.c` instead: bf16 and int8 weights in the same layout and with the same
-sums (there oneDNN refuses to prepack bf16 weights, and torch's plain bf16 matmul grows with every
+Intel) get `csrc/avx2_linear.c` instead: bf16 and int8 weights and the w8a8/w4a8 draft formats, in the
+same layouts and with the same sums (the scalar parts of both builds live in `csrc/hs_common.h`; there oneDNN refuses to prepack bf16 weights, and torch's plain bf16 matmul grows with every
 row: a Qwen2.5-1.5B forward took 213 ms for 1 token and 2446 ms for 16 on a 2-core Zen 3). Without a
 compiler or either instruction set everything falls back to torch, only slower.
 """
@@ -53,7 +53,7 @@ def _cpu_flags() -> set[str]:
 def native_isa() -> str | None:
     """Which build of the native kernel this CPU runs: 'avx512' (csrc/bf16_linear.c: bf16 and int8
     weights, w8a8/w4a8 with VNNI, vdpbf16ps with AVX512_BF16), 'avx2' (csrc/avx2_linear.c: bf16 and int8
-    weights, same layout and same sums) or None."""
+    weights, w8a8/w4a8, same layouts and same sums) or None."""
     if {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
         return "avx512"
     if {"avx2", "fma"} <= _cpu_flags():
@@ -89,7 +89,7 @@ def build_native(isa: str):
     from .models import hydraspec_home
 
     flags = _CFLAGS if isa == "avx512" else _CFLAGS_AVX2
-    text = src.read_bytes()
+    text = src.read_bytes() + src.with_name("hs_common.h").read_bytes()  # the build key covers the header
     key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = hydraspec_home() / "kernels"
     so = out_dir / f"{src.stem}-{key}.so"
@@ -122,14 +122,14 @@ def build_native(isa: str):
     lib.hs_linear_i8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_i8.restype = ctypes.c_int
-    if isa != "avx512":
-        return lib
     lib.hs_linear_w8a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_w8a8.restype = ctypes.c_int
     lib.hs_linear_w4a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_w4a8.restype = ctypes.c_int
+    if isa != "avx512":
+        return lib
     lib.hs_linear_bf16_pairs.argtypes = fn.argtypes
     lib.hs_linear_bf16_pairs.restype = ctypes.c_int
     lib.hs_pack_bf16_pairs.argtypes = lib.hs_pack_bf16.argtypes
@@ -332,10 +332,16 @@ class Int8Linear(nn.Module):
 
 
 @lru_cache(maxsize=1)
-def vnni_available() -> bool:
-    """Whether the native kernel can run int8 x int8 dot products here (AVX512_VNNI); decided once, as
-    every w8a8 / w4a8 Linear call asks."""
-    return native_lib() is not None and "avx512_vnni" in _cpu_flags()
+@lru_cache(maxsize=1)
+def int8_dot_lib():
+    """The native build that runs the int8 x int8 dot products of w8a8 / w4a8 here, or None: the AVX-512
+    build where the CPU has AVX512_VNNI, else the AVX2 build (vpmaddubsw; AVX2 CPUs and AVX-512 ones
+    without VNNI). Both give the same results. Decided once, as every w8a8 / w4a8 Linear call asks."""
+    if native_lib() is None:
+        return None
+    if native_isa() == "avx512" and "avx512_vnni" in _cpu_flags():
+        return native_lib()
+    return build_native("avx2") if {"avx2", "fma"} <= _cpu_flags() else None
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,8 +355,9 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class W8A8Linear(nn.Module):
     """int8 weights (one scale per output, as Int8Linear) times activations quantised to int8 per row on
-    the fly, multiplied with AVX512_VNNI's integer dot products (64 multiply-adds an instruction instead
-    of 16): for draft models on CPUs where the int8 kernel is bound by arithmetic rather than by memory.
+    the fly, multiplied as integers (AVX512_VNNI's vpdpbusd, 64 multiply-adds an instruction instead of 16,
+    or AVX2's vpmaddubsw; :func:`int8_dot_lib`): for draft models on CPUs where the int8 kernel is bound by
+    arithmetic rather than by memory.
     Only the drafter sees the rounding of its activations; the target verifies every token, so the output
     is unchanged and only acceptance can move. Without the native kernel the same integer arithmetic runs
     in torch (exact, slow)."""
@@ -379,8 +386,9 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if vnni_available() and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            y = _native_call(native_lib().hs_linear_w8a8, x2, self.qweight, self.scale, self.out_features,
+        lib = int8_dot_lib()
+        if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            y = _native_call(lib.hs_linear_w8a8, x2, self.qweight, self.scale, self.out_features,
                              self.bias32, self.wsum)
         else:  # the kernel's arithmetic: exact integer sums, then the same fp32 products
             q, s = quantize_rows(x2)
@@ -400,7 +408,7 @@ W4_GROUPS = (64, 32)  # inputs per 4-bit scale: the first that divides a layer's
 
 class W4A8Linear(nn.Module):
     """4-bit weights (symmetric, one fp32 scale per output and group of `group` inputs) times activations
-    quantised to int8 per row, with AVX512_VNNI integer dot products: half the weight bytes of int8 and
+    quantised to int8 per row, with integer dot products (AVX512_VNNI or AVX2): half the weight bytes of int8 and
     the arithmetic of w8a8 (0.56 bytes per weight with groups of 64), for draft models whose int8 forward
     is bound by memory. As with every draft quantisation only acceptance can move, never the output.
     Without the native kernel the same integer sums run in torch (slow)."""
@@ -435,8 +443,9 @@ class W4A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if vnni_available() and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            y = _native_call(native_lib().hs_linear_w4a8, x2, self.qweight, self.scale, self.out_features,
+        lib = int8_dot_lib()
+        if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            y = _native_call(lib.hs_linear_w4a8, x2, self.qweight, self.scale, self.out_features,
                              self.bias32, group=self.group)
         else:  # the kernel's arithmetic: exact integer sums per group, scaled and added in group order
             q, s = quantize_rows(x2)

@@ -685,10 +685,11 @@ def quantize_draft(model, how: str | None):
         raise HydraspecError(f"unknown draft quantisation '{how}' (known: {', '.join(DRAFT_QUANT)})")
     if next(model.parameters()).device.type != "cpu":
         raise HydraspecError(f"--draft-quant {how} runs on the CPU kernel only; drop it for GPU drafters")
-    from .kernels import quantize_int8, quantize_w4a8, quantize_w8a8, vnni_available
+    from .kernels import quantize_int8, quantize_w4a8, quantize_w8a8, int8_dot_lib
 
-    if how in ("w8a8", "w4a8") and not vnni_available():
-        raise HydraspecError(f"--draft-quant {how} needs a CPU with AVX512_VNNI and the native kernel; use int8")
+    if how in ("w8a8", "w4a8") and int8_dot_lib() is None:
+        raise HydraspecError(f"--draft-quant {how} needs the native CPU kernel (AVX2 or AVX512_VNNI and a C "
+                             "compiler); use int8")
     {"int8": quantize_int8, "w8a8": quantize_w8a8, "w4a8": quantize_w4a8}[how](model)
     return model
 

@@ -12,23 +12,13 @@
    zero, as in the AVX-512 kernel, so results equal that kernel's bit for bit and a row's result never
    depends on the rows computed beside it.
    Build: cc -O3 -mavx2 -mfma -fopenmp -shared -fPIC. */
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-#define OB 32 /* outputs per packed block, as in bf16_linear.c */
+#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, quantize_rows, group_code_sums */
 #define NB 6  /* rows per pass of the half-block kernels */
 #define NF 2  /* rows per pass of the full-block kernels */
 
-static inline uint16_t f2bf(float f) { /* round to nearest even, as torch; NaN stays a quiet NaN */
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 /* 16 weights of one half block -> two vectors of 8 fp32. bf16: one load and two interleaves with
    zero (a bf16 is the top half of its fp32), which leaves the outputs of a vector in the order of
    bf_out below; int8: sign-extend and convert, in order. */
@@ -104,18 +94,6 @@ static const halffn BF_HALF[NB + 1] = {0, H(bf_half_1), H(bf_half_2), H(bf_half_
 static const halffn Q8_HALF[NB + 1] = {0, H(q8_half_1), H(q8_half_2), H(q8_half_3), H(q8_half_4), H(q8_half_5),
                                        H(q8_half_6)};
 
-/* w [out, in] bf16 -> wp [ceil(out/32)][in][32] bf16, zero padded (the layout of bf16_linear.c) */
-void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < nblk; b++)
-        for (int64_t i = 0; i < in; i++)
-            for (int64_t k = 0; k < OB; k++) {
-                int64_t o = b * OB + k;
-                wp[(b * in + i) * OB + k] = o < out ? w[o * in + i] : 0;
-            }
-}
-
 /* x [n, in] bf16 times packed weights wp (element size esize) -> y [n, out] bf16. 1-2 rows: one pass
    over all 32 outputs of a block; more rows: passes of up to 6 rows over each half of a block. */
 static int run(const fullfn* full, const halffn* half, size_t esize, const uint16_t* xb, int64_t n, int64_t in,
@@ -124,14 +102,7 @@ static int run(const fullfn* full, const halffn* half, size_t esize, const uint1
     int64_t nrb = (n + rb - 1) / rb;
     float* xt = (float*)malloc((size_t)(nrb * rb * in) * sizeof(float));
     if (!xt) return -1;
-    for (int64_t r = 0; r < nrb; r++) { /* row block r: [in][nr] fp32 */
-        int64_t j0 = r * rb, nr = n - j0 < rb ? n - j0 : rb;
-        float* dst = xt + r * rb * in;
-        for (int64_t j = 0; j < nr; j++) {
-            const uint16_t* src = xb + (j0 + j) * in;
-            for (int64_t i = 0; i < in; i++) { uint32_t u = (uint32_t)src[i] << 16; memcpy(dst + i * nr + j, &u, 4); }
-        }
-    }
+    transpose_rows(xb, n, in, rb, xt);
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -162,4 +133,148 @@ int hs_linear_bf16(const uint16_t* xb, int64_t n, int64_t in, const uint16_t* wp
 int hs_linear_i8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const float* scale, int64_t out,
                  uint16_t* y, const float* bias, int nthreads) {
     return run(Q8_FULL, Q8_HALF, sizeof(int8_t), xb, n, in, wq, scale, out, y, bias, nthreads);
+}
+
+/* ---- int8 activations ("w8a8", "w4a8": draft models) ----
+   The AVX2 counterpart of bf16_linear.c's AVX512_VNNI kernels, with the same packed weights, the same
+   activation codes and the same exact integer sums, so the two builds give the same results. Without
+   vpdpbusd the products go through vpmaddubsw (32 u8 x s8 products into 16 saturating int16 pair sums)
+   and vpmaddwd (pairs of int16 into int32); the operands are chosen so that nothing saturates:
+   - w8a8: the activation's sign moves onto the weight (vpsignb), so |x| <= 127 times a weight in
+     [-127, 127]: a pair sum is at most 2 * 127 * 127 = 32258 < 32767;
+   - w4a8: the unsigned 4-bit code (q + 8 <= 15) times x: a pair sum is at most 2 * 15 * 127 = 3810, so
+     8 steps (32 inputs) add up in int16 before they are widened.
+   Passes cover half a block (16 outputs, two vectors of 8 outputs x 4 inputs) for up to NQ rows. */
+#define NQ 3 /* rows per pass of the int8-activation kernels */
+
+/* w8a8, N rows x the 16 outputs of half `h` of a block. wb: the block's [in4][32][4] int8 weights */
+#define DEFW8(N) \
+static void w8_##N(const int32_t* xq, int64_t in4, const int8_t* wb, int h, const float* sx, const float* scale, \
+                   uint16_t* y, int64_t out, int64_t o0, int64_t width, const float* bias) { \
+    __m256i a[N][2]; \
+    const __m256i ones = _mm256_set1_epi16(1); \
+    _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { a[j][0] = _mm256_setzero_si256(); a[j][1] = _mm256_setzero_si256(); } \
+    for (int64_t p = 0; p < in4; p++) { \
+        const int8_t* w = wb + p * 4 * OB + 64 * h; \
+        __m256i w0 = _mm256_loadu_si256((const __m256i*)w), w1 = _mm256_loadu_si256((const __m256i*)(w + 32)); \
+        _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { \
+            __m256i xv = _mm256_set1_epi32(xq[p * N + j]), ax = _mm256_abs_epi8(xv); \
+            a[j][0] = _mm256_add_epi32(a[j][0], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones)); \
+            a[j][1] = _mm256_add_epi32(a[j][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones)); } \
+    } \
+    int32_t buf[16]; \
+    _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { \
+        _mm256_storeu_si256((__m256i*)buf, a[j][0]); _mm256_storeu_si256((__m256i*)(buf + 8), a[j][1]); \
+        uint16_t* yr = y + j * out + o0; \
+        for (int t = 0; t < 16; t++) { \
+            int64_t k = 16 * h + t; \
+            if (k >= width) break; \
+            float v = (float)buf[t] * sx[j] * scale[o0 + k]; \
+            yr[k] = f2bf(v + (bias ? bias[o0 + k] : 0.0f)); } } \
+}
+DEFW8(1) DEFW8(2) DEFW8(3)
+typedef void (*w8fn)(const int32_t*, int64_t, const int8_t*, int, const float*, const float*, uint16_t*, int64_t,
+                     int64_t, int64_t, const float*);
+static const w8fn W8[NQ + 1] = {0, w8_1, w8_2, w8_3};
+
+/* x [n, in] bf16 times w8a8-packed int8 weights ([ceil(out/32)][in4][32][4], as bf16_linear.c; wsum is
+   not needed: the codes here are signed) -> y [n, out] bf16. 0, or -1 when out of memory. */
+int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const int32_t* wsum,
+                   const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    (void)wsum;
+    int64_t nrb = (n + NQ - 1) / NQ, in4 = (in + 3) / 4;
+    int32_t* xq = (int32_t*)malloc((size_t)(nrb * NQ * in4) * sizeof(int32_t));
+    float* sx = (float*)malloc((size_t)(nrb * NQ) * sizeof(float));
+    if (!xq || !sx || quantize_rows(xb, n, in, in4, NQ, 0, xq, sx)) { free(xq); free(sx); return -1; }
+    int64_t nblk = (out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
+        const int8_t* wb = wq + (size_t)(b * in4 * 4 * OB);
+        for (int64_t r = 0; r < nrb; r++) {
+            int64_t j0 = r * NQ, nr = n - j0 < NQ ? n - j0 : NQ;
+            for (int h = 0; h < 2 && 16 * h < width; h++)
+                W8[nr](xq + r * NQ * in4, in4, wb, h, sx + j0, scale, y + j0 * out, out, o0, width, bias);
+        }
+    }
+    free(xq); free(sx);
+    return 0;
+}
+
+/* w4a8, N rows x the 16 outputs of half `h` of a block (h = 0: the low nibbles, outputs 0-15; h = 1: the
+   high nibbles, outputs 16-31). wb: the block's [in4][16][4] bytes; sb: its [in/G][32] fp32 scales; xs: each
+   row's code sum per group ([ng][N]). Per group: the exact sum of (q + 8) * x, less 8 * sum(x), times the
+   group's scale, added in fp32 in group order (one fused multiply-add); the row's scale last: the
+   arithmetic of the VNNI kernel. */
+#define DEFW4(N) \
+static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4, const uint8_t* wb, int h, \
+                   const float* sb, const float* sx, uint16_t* y, int64_t out, int64_t o0, int64_t width, \
+                   const float* bias) { \
+    __m256 f[N][2]; \
+    const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1); \
+    _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { f[j][0] = _mm256_setzero_ps(); f[j][1] = _mm256_setzero_ps(); } \
+    for (int64_t p0 = 0, g = 0; p0 < in4; p0 += g4, g++) { \
+        __m256i a[N][2]; \
+        _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { a[j][0] = _mm256_setzero_si256(); a[j][1] = _mm256_setzero_si256(); } \
+        for (int64_t c0 = p0; c0 < p0 + g4; c0 += 8) { /* 8 steps at most in int16 */ \
+            int64_t c1 = c0 + 8 < p0 + g4 ? c0 + 8 : p0 + g4; \
+            __m256i s[N][2]; \
+            _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { s[j][0] = _mm256_setzero_si256(); s[j][1] = _mm256_setzero_si256(); } \
+            for (int64_t p = c0; p < c1; p++) { \
+                __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + p * 64)); \
+                __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + p * 64 + 32)); \
+                if (h) { v0 = _mm256_srli_epi16(v0, 4); v1 = _mm256_srli_epi16(v1, 4); } \
+                v0 = _mm256_and_si256(v0, lo); v1 = _mm256_and_si256(v1, lo); \
+                _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { __m256i xv = _mm256_set1_epi32(xq[p * N + j]); \
+                    s[j][0] = _mm256_add_epi16(s[j][0], _mm256_maddubs_epi16(v0, xv)); \
+                    s[j][1] = _mm256_add_epi16(s[j][1], _mm256_maddubs_epi16(v1, xv)); } \
+            } \
+            _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { \
+                a[j][0] = _mm256_add_epi32(a[j][0], _mm256_madd_epi16(s[j][0], ones)); \
+                a[j][1] = _mm256_add_epi32(a[j][1], _mm256_madd_epi16(s[j][1], ones)); } \
+        } \
+        __m256 s0 = _mm256_loadu_ps(sb + g * OB + 16 * h), s1 = _mm256_loadu_ps(sb + g * OB + 16 * h + 8); \
+        _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { \
+            __m256i c = _mm256_set1_epi32(8 * xs[g * N + j]); \
+            f[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[j][0], c)), s0, f[j][0]); \
+            f[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[j][1], c)), s1, f[j][1]); } \
+    } \
+    float buf[16]; \
+    _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { \
+        _mm256_storeu_ps(buf, f[j][0]); _mm256_storeu_ps(buf + 8, f[j][1]); \
+        uint16_t* yr = y + j * out + o0; \
+        for (int t = 0; t < 16; t++) { \
+            int64_t k = 16 * h + t; \
+            if (k >= width) break; \
+            yr[k] = f2bf(buf[t] * sx[j] + (bias ? bias[o0 + k] : 0.0f)); } } \
+}
+DEFW4(1) DEFW4(2) DEFW4(3)
+typedef void (*w4fn)(const int32_t*, const int32_t*, int64_t, int64_t, const uint8_t*, int, const float*,
+                     const float*, uint16_t*, int64_t, int64_t, int64_t, const float*);
+static const w4fn W4[NQ + 1] = {0, w4_1, w4_2, w4_3};
+
+/* x [n, in] bf16 times w4a8-packed weights (as bf16_linear.c: [ceil(out/32)][in/4][16][4] bytes, scales
+   [ceil(out/32)][in/G][32] fp32; in a multiple of group, group a multiple of 4) -> y [n, out] bf16.
+   0, or -1 when out of memory. */
+int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* scale, int64_t group,
+                   int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    int64_t nrb = (n + NQ - 1) / NQ, in4 = in / 4, g4 = group / 4, ng = in / group;
+    int32_t* xq = (int32_t*)malloc((size_t)(nrb * NQ * in4) * sizeof(int32_t));
+    int32_t* xs = (int32_t*)malloc((size_t)(nrb * NQ * ng) * sizeof(int32_t));
+    float* sx = (float*)malloc((size_t)(nrb * NQ) * sizeof(float));
+    if (!xq || !xs || !sx || quantize_rows(xb, n, in, in4, NQ, 0, xq, sx)) { free(xq); free(xs); free(sx); return -1; }
+    group_code_sums(xq, n, in4, NQ, g4, ng, xs);
+    int64_t nblk = (out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
+        for (int64_t r = 0; r < nrb; r++) {
+            int64_t j0 = r * NQ, nr = n - j0 < NQ ? n - j0 : NQ;
+            for (int h = 0; h < 2 && 16 * h < width; h++)
+                W4[nr](xq + r * NQ * in4, xs + r * NQ * ng, in4, g4, wq + (size_t)(b * in4 * 64), h,
+                       scale + (size_t)(b * ng * OB), sx + j0, y + j0 * out, out, o0, width, bias);
+        }
+    }
+    free(xq); free(xs); free(sx);
+    return 0;
 }

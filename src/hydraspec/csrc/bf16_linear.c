@@ -11,23 +11,13 @@
    Every (row, output) sum runs over the inputs in order 0..in-1 in fp32, whatever the number of rows
    and whichever block a row falls in, so a row's result does not depend on the rows computed beside it.
    Build: cc -O3 -mavx512f -mavx512bw -mavx512vl -fopenmp -shared -fPIC. */
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, quantize_rows, group_code_sums */
 
-#define OB 32 /* outputs per packed block */
 #define NB 12 /* activation rows per micro-kernel pass */
 
-/* fp32 -> bf16 bits, round to nearest even (as torch's conversion); NaN stays a quiet NaN */
-static inline uint16_t f2bf(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 static inline __m512 ldbf(const void* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -139,33 +129,13 @@ int hs_linear_bf16_pairs(const uint16_t* xb, int64_t n, int64_t in, const uint16
     return 0;
 }
 
-/* w [out, in] bf16 -> wp [ceil(out/32)][in][32] bf16, zero padded */
-void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < nblk; b++)
-        for (int64_t i = 0; i < in; i++)
-            for (int64_t k = 0; k < OB; k++) {
-                int64_t o = b * OB + k;
-                wp[(b * in + i) * OB + k] = o < out ? w[o * in + i] : 0;
-            }
-}
-
 /* x [n, in] bf16 times packed weights wp ([ceil(out/32)][in][32], element size esize) -> y [n, out] bf16 */
 static int run(const mkfn* kern, size_t esize, const uint16_t* xb, int64_t n, int64_t in, const void* wp,
                const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
     int64_t nrb = (n + NB - 1) / NB;
     float* xt = (float*)malloc((size_t)(nrb * NB * in) * sizeof(float));
     if (!xt) return -1;
-    /* row block r: [in][nr] fp32, nr = rows in that block */
-    for (int64_t r = 0; r < nrb; r++) {
-        int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-        float* dst = xt + r * NB * in;
-        for (int64_t j = 0; j < nr; j++) {
-            const uint16_t* src = xb + (j0 + j) * in;
-            for (int64_t i = 0; i < in; i++) { uint32_t u = (uint32_t)src[i] << 16; memcpy(dst + i * nr + j, &u, 4); }
-        }
-    }
+    transpose_rows(xb, n, in, NB, xt); /* row block r: [in][nr] fp32 */
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -224,38 +194,6 @@ DEFVN(1) DEFVN(2) DEFVN(3) DEFVN(4) DEFVN(5) DEFVN(6) DEFVN(7) DEFVN(8) DEFVN(9)
 typedef void (*vnfn)(const int32_t*, int64_t, const int8_t*, const int32_t*, const float*, const float*, uint16_t*,
                      int64_t, int64_t, int64_t, const float*);
 static const vnfn VN[NB + 1] = {0, vn_1, vn_2, vn_3, vn_4, vn_5, vn_6, vn_7, vn_8, vn_9, vn_10, vn_11, vn_12};
-
-/* Activation rows x [n, in] bf16 -> int8 codes, 4 to an int32 lane, in row blocks of nb rows (block r laid
-   out [in4][nr]), and each row's scale (absmax/127, 1 for an all-zero row; round half to even: the
-   arithmetic of hydraspec.kernels.quantize_rows). Codes are q + offset: 128 gives vpdpbusd's unsigned
-   operand, 0 its signed one. Inputs past `in` are coded as zeros. 0, or -1 when out of memory. */
-static int quantize_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t in4, int64_t nb, int offset,
-                         int32_t* xq, float* sx) {
-    uint8_t* codes = (uint8_t*)malloc((size_t)(in4 * 4));
-    if (!codes) return -1;
-    for (int64_t row = 0; row < n; row++) {
-        const uint16_t* x = xb + row * in;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < in; i++) {
-            uint32_t u = (uint32_t)x[i] << 16; float f; memcpy(&f, &u, 4);
-            float a = f < 0 ? -f : f;
-            if (a > amax) amax = a;
-        }
-        float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-        for (int64_t i = 0; i < in4 * 4; i++) {
-            float f = 0.0f;
-            if (i < in) { uint32_t u = (uint32_t)x[i] << 16; memcpy(&f, &u, 4); }
-            int q = _mm_cvtss_si32(_mm_set_ss(f / s)); /* round half to even (the default rounding mode) */
-            q = q > 127 ? 127 : (q < -127 ? -127 : q);
-            codes[i] = (uint8_t)(q + offset);
-        }
-        int64_t r = row / nb, j = row % nb, nr = n - r * nb < nb ? n - r * nb : nb;
-        for (int64_t p = 0; p < in4; p++) memcpy(xq + r * nb * in4 + p * nr + j, codes + 4 * p, 4);
-        sx[row] = s;
-    }
-    free(codes);
-    return 0;
-}
 
 /* x [n, in] bf16 times w8a8-packed int8 weights -> y [n, out] bf16. 0, or -1 when out of memory. */
 int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const int32_t* wsum,
@@ -328,17 +266,7 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
     int32_t* xs = (int32_t*)malloc((size_t)(nrb * NB4 * ng) * sizeof(int32_t));
     float* sx = (float*)malloc((size_t)(nrb * NB4) * sizeof(float));
     if (!xq || !xs || !sx || quantize_rows(xb, n, in, in4, NB4, 0, xq, sx)) { free(xq); free(xs); free(sx); return -1; }
-    for (int64_t r = 0; r < nrb; r++) { /* each row's code sum per group, row block r laid out [ng][nr] */
-        int64_t nr = n - r * NB4 < NB4 ? n - r * NB4 : NB4;
-        const int8_t* c = (const int8_t*)(xq + r * NB4 * in4); /* [in4][nr][4] codes */
-        for (int64_t j = 0; j < nr; j++)
-            for (int64_t g = 0; g < ng; g++) {
-                int32_t sum = 0;
-                for (int64_t p = g * g4; p < (g + 1) * g4; p++)
-                    for (int t = 0; t < 4; t++) sum += c[(p * nr + j) * 4 + t];
-                xs[r * NB4 * ng + g * nr + j] = sum;
-            }
-    }
+    group_code_sums(xq, n, in4, NB4, g4, ng, xs);
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {

@@ -1,0 +1,99 @@
+/* hydraspec: the scalar parts shared by both builds of the CPU kernel (bf16_linear.c for AVX-512,
+   avx2_linear.c for AVX2): bf16 rounding, the packed weight layout, and the activation rows as the
+   micro-kernels read them (fp32 transposed, or int8 codes). Everything here is plain C, so the two
+   builds prepare their inputs identically. */
+#ifndef HS_COMMON_H
+#define HS_COMMON_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define OB 32 /* outputs per packed weight block */
+
+/* fp32 -> bf16 bits, round to nearest even (as torch's conversion); NaN stays a quiet NaN */
+static inline uint16_t f2bf(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4);
+    return f;
+}
+
+/* w [out, in] bf16 -> wp [ceil(out/32)][in][32] bf16, zero padded */
+void hs_pack_bf16(const uint16_t* w, int64_t out, int64_t in, uint16_t* wp) {
+    int64_t nblk = (out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nblk; b++)
+        for (int64_t i = 0; i < in; i++)
+            for (int64_t k = 0; k < OB; k++) {
+                int64_t o = b * OB + k;
+                wp[(b * in + i) * OB + k] = o < out ? w[o * in + i] : 0;
+            }
+}
+
+/* bf16 rows x [n, in] -> fp32 row blocks of nb rows, block r laid out [in][nr] (nr = rows in the block)
+   at xt + r * nb * in: one broadcast scalar per (input, row) for the micro-kernels */
+static inline void transpose_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t nb, float* xt) {
+    for (int64_t r = 0; r * nb < n; r++) {
+        int64_t j0 = r * nb, nr = n - j0 < nb ? n - j0 : nb;
+        float* dst = xt + r * nb * in;
+        for (int64_t j = 0; j < nr; j++) {
+            const uint16_t* src = xb + (j0 + j) * in;
+            for (int64_t i = 0; i < in; i++) dst[i * nr + j] = bf2f(src[i]);
+        }
+    }
+}
+
+/* Activation rows x [n, in] bf16 -> int8 codes, 4 to an int32 lane, in row blocks of nb rows (block r laid
+   out [in4][nr]), and each row's scale (absmax/127, 1 for an all-zero row; round half to even: the
+   arithmetic of hydraspec.kernels.quantize_rows). Codes are q + offset: 128 gives vpdpbusd's unsigned
+   operand, 0 the signed one. Inputs past `in` are coded as zeros. 0, or -1 when out of memory. */
+static int quantize_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t in4, int64_t nb, int offset,
+                         int32_t* xq, float* sx) {
+    uint8_t* codes = (uint8_t*)malloc((size_t)(in4 * 4));
+    if (!codes) return -1;
+    for (int64_t row = 0; row < n; row++) {
+        const uint16_t* x = xb + row * in;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < in; i++) {
+            float a = bf2f(x[i]);
+            a = a < 0 ? -a : a;
+            if (a > amax) amax = a;
+        }
+        float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        for (int64_t i = 0; i < in4 * 4; i++) {
+            float f = i < in ? bf2f(x[i]) : 0.0f;
+            int q = _mm_cvtss_si32(_mm_set_ss(f / s)); /* round half to even (the default rounding mode) */
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            codes[i] = (uint8_t)(q + offset);
+        }
+        int64_t r = row / nb, j = row % nb, nr = n - r * nb < nb ? n - r * nb : nb;
+        for (int64_t p = 0; p < in4; p++) memcpy(xq + r * nb * in4 + p * nr + j, codes + 4 * p, 4);
+        sx[row] = s;
+    }
+    free(codes);
+    return 0;
+}
+
+/* Signed codes from quantize_rows (offset 0), row blocks of nb rows -> each row's code sum per group of g4
+   int32 lanes (ng groups), row block r laid out [ng][nr] at xs + r * nb * ng (w4a8: the 4-bit weights
+   are stored as q + 8, and 8 * this sum takes the offset out) */
+static inline void group_code_sums(const int32_t* xq, int64_t n, int64_t in4, int64_t nb, int64_t g4, int64_t ng,
+                                   int32_t* xs) {
+    for (int64_t r = 0; r * nb < n; r++) {
+        int64_t nr = n - r * nb < nb ? n - r * nb : nb;
+        const int8_t* c = (const int8_t*)(xq + r * nb * in4); /* [in4][nr][4] codes */
+        for (int64_t j = 0; j < nr; j++)
+            for (int64_t g = 0; g < ng; g++) {
+                int32_t sum = 0;
+                for (int64_t p = g * g4; p < (g + 1) * g4; p++)
+                    for (int t = 0; t < 4; t++) sum += c[(p * nr + j) * 4 + t];
+                xs[r * nb * ng + g * nr + j] = sum;
+            }
+    }
+}
+#endif
