@@ -182,10 +182,11 @@ static const w8fn W8[NQ + 1] = {0, w8_1, w8_2, w8_3};
 int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const int32_t* wsum,
                    const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
     (void)wsum;
+    int8_rows q;
+    if (make_int8_rows(xb, n, in, NQ, 0, 0, &q)) return -1;
     int64_t nrb = (n + NQ - 1) / NQ, in4 = (in + 3) / 4;
-    int32_t* xq = (int32_t*)malloc((size_t)(nrb * NQ * in4) * sizeof(int32_t));
-    float* sx = (float*)malloc((size_t)(nrb * NQ) * sizeof(float));
-    if (!xq || !sx || quantize_rows(xb, n, in, in4, NQ, 0, xq, sx)) { free(xq); free(sx); return -1; }
+    const int32_t* xq = q.xq;
+    const float* sx = q.sx;
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -197,7 +198,7 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
                 W8[nr](xq + r * NQ * in4, in4, wb, h, sx + j0, scale, y + j0 * out, out, o0, width, bias);
         }
     }
-    free(xq); free(sx);
+    free_int8_rows(&q);
     return 0;
 }
 
@@ -258,12 +259,11 @@ static const w4fn W4[NQ + 1] = {0, w4_1, w4_2, w4_3};
    0, or -1 when out of memory. */
 int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* scale, int64_t group,
                    int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    int8_rows q;
+    if (make_int8_rows(xb, n, in, NQ, 0, group, &q)) return -1;
     int64_t nrb = (n + NQ - 1) / NQ, in4 = in / 4, g4 = group / 4, ng = in / group;
-    int32_t* xq = (int32_t*)malloc((size_t)(nrb * NQ * in4) * sizeof(int32_t));
-    int32_t* xs = (int32_t*)malloc((size_t)(nrb * NQ * ng) * sizeof(int32_t));
-    float* sx = (float*)malloc((size_t)(nrb * NQ) * sizeof(float));
-    if (!xq || !xs || !sx || quantize_rows(xb, n, in, in4, NQ, 0, xq, sx)) { free(xq); free(xs); free(sx); return -1; }
-    group_code_sums(xq, n, in4, NQ, g4, ng, xs);
+    const int32_t *xq = q.xq, *xs = q.xs;
+    const float* sx = q.sx;
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -275,6 +275,6 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
                        scale + (size_t)(b * ng * OB), sx + j0, y + j0 * out, out, o0, width, bias);
         }
     }
-    free(xq); free(xs); free(sx);
+    free_int8_rows(&q);
     return 0;
 }

@@ -198,10 +198,11 @@ static const vnfn VN[NB + 1] = {0, vn_1, vn_2, vn_3, vn_4, vn_5, vn_6, vn_7, vn_
 /* x [n, in] bf16 times w8a8-packed int8 weights -> y [n, out] bf16. 0, or -1 when out of memory. */
 int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const int32_t* wsum,
                    const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    int8_rows q;
+    if (make_int8_rows(xb, n, in, NB, 128, 0, &q)) return -1;
     int64_t nrb = (n + NB - 1) / NB, in4 = (in + 3) / 4;
-    int32_t* xq = (int32_t*)malloc((size_t)(nrb * NB * in4) * sizeof(int32_t));
-    float* sx = (float*)malloc((size_t)(nrb * NB) * sizeof(float));
-    if (!xq || !sx || quantize_rows(xb, n, in, in4, NB, 128, xq, sx)) { free(xq); free(sx); return -1; }
+    const int32_t* xq = q.xq;
+    const float* sx = q.sx;
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -212,7 +213,7 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
             VN[nr](xq + r * NB * in4, in4, wb, wsum, sx + j0, scale, y + j0 * out, out, o0, width, bias);
         }
     }
-    free(xq); free(sx);
+    free_int8_rows(&q);
     return 0;
 }
 
@@ -261,12 +262,11 @@ static const w4fn W4[NB4 + 1] = {0, w4_1, w4_2, w4_3, w4_4, w4_5, w4_6};
    0, or -1 when out of memory. */
 int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* scale, int64_t group,
                    int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    int8_rows q;
+    if (make_int8_rows(xb, n, in, NB4, 0, group, &q)) return -1;
     int64_t nrb = (n + NB4 - 1) / NB4, in4 = in / 4, g4 = group / 4, ng = in / group;
-    int32_t* xq = (int32_t*)malloc((size_t)(nrb * NB4 * in4) * sizeof(int32_t));
-    int32_t* xs = (int32_t*)malloc((size_t)(nrb * NB4 * ng) * sizeof(int32_t));
-    float* sx = (float*)malloc((size_t)(nrb * NB4) * sizeof(float));
-    if (!xq || !xs || !sx || quantize_rows(xb, n, in, in4, NB4, 0, xq, sx)) { free(xq); free(xs); free(sx); return -1; }
-    group_code_sums(xq, n, in4, NB4, g4, ng, xs);
+    const int32_t *xq = q.xq, *xs = q.xs;
+    const float* sx = q.sx;
     int64_t nblk = (out + OB - 1) / OB;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
@@ -277,6 +277,6 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
                    scale + (size_t)(b * ng * OB), sx + j0, y + j0 * out, out, o0, width, bias);
         }
     }
-    free(xq); free(xs); free(sx);
+    free_int8_rows(&q);
     return 0;
 }

@@ -96,4 +96,25 @@ static inline void group_code_sums(const int32_t* xq, int64_t n, int64_t in4, in
             }
     }
 }
+
+/* The int8 activation rows of one w8a8 / w4a8 call: codes and row scales (quantize_rows, row blocks of nb
+   rows) and, with group > 0, each row's code sum per group (group_code_sums). */
+typedef struct { int32_t* xq; int32_t* xs; float* sx; } int8_rows;
+
+static inline void free_int8_rows(int8_rows* r) { free(r->xq); free(r->xs); free(r->sx); }
+
+/* 0, or -1 when out of memory (then nothing stays allocated) */
+static int make_int8_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t nb, int offset, int64_t group,
+                          int8_rows* r) {
+    int64_t nrb = (n + nb - 1) / nb, in4 = (in + 3) / 4, ng = group > 0 ? in / group : 0;
+    r->xq = (int32_t*)malloc((size_t)(nrb * nb * in4) * sizeof(int32_t));
+    r->sx = (float*)malloc((size_t)(nrb * nb) * sizeof(float));
+    r->xs = ng ? (int32_t*)malloc((size_t)(nrb * nb * ng) * sizeof(int32_t)) : NULL;
+    if (!r->xq || !r->sx || (ng && !r->xs) || quantize_rows(xb, n, in, in4, nb, offset, r->xq, r->sx)) {
+        free_int8_rows(r);
+        return -1;
+    }
+    if (ng) group_code_sums(r->xq, n, in4, nb, group / 4, ng, r->xs);
+    return 0;
+}
 #endif
