@@ -332,7 +332,6 @@ class Int8Linear(nn.Module):
 
 
 @lru_cache(maxsize=1)
-@lru_cache(maxsize=1)
 def int8_dot_lib():
     """The native build that runs the int8 x int8 dot products of w8a8 / w4a8 here, or None: the AVX-512
     build where the CPU has AVX512_VNNI, else the AVX2 build (vpmaddubsw; AVX2 CPUs and AVX-512 ones
