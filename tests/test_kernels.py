@@ -279,3 +279,19 @@ def test_reports_name_the_cpu_kernel(monkeypatch):
     assert machine_line(machine_info("bfloat16", "cpu")).endswith(f"CPU kernel {expected}")
     monkeypatch.setattr(kernels, "native_lib", lambda: None)
     assert kernels.describe() == "torch"
+
+
+def test_w4a8_draft_refused_without_an_int8_dot_kernel(monkeypatch):
+    """--draft-quant w8a8/w4a8 needs the native int8 dot-product kernel (AVX512_VNNI or AVX2): without it
+    the request is refused with a message that names the way out, and nothing is quantised."""
+    from hydraspec import kernels
+    from hydraspec.errors import HydraspecError
+    from hydraspec.models import quantize_draft
+    draft = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2)
+    monkeypatch.setattr(kernels, "int8_dot_lib", lambda: None)
+    for how in ("w8a8", "w4a8"):
+        with pytest.raises(HydraspecError, match="use int8"):
+            quantize_draft(draft, how)
+    assert not any(isinstance(m, (kernels.W4A8Linear, kernels.W8A8Linear)) for m in draft.modules())
+    quantize_draft(draft, "int8")  # int8 weights need no int8 dot products
+    assert isinstance(draft.lm_head, kernels.Int8Linear)

@@ -335,7 +335,7 @@ class Int8Linear(nn.Module):
 def int8_dot_lib():
     """The native build that runs the int8 x int8 dot products of w8a8 / w4a8 here, or None: the AVX-512
     build where the CPU has AVX512_VNNI, else the AVX2 build (vpmaddubsw; AVX2 CPUs and AVX-512 ones
-    without VNNI). Both give the same results. Decided once, as every w8a8 / w4a8 Linear call asks."""
+    without VNNI), with the same integer sums. Decided once, as every w8a8 / w4a8 Linear call asks."""
     if native_lib() is None:
         return None
     if native_isa() == "avx512" and "avx512_vnni" in _cpu_flags():
