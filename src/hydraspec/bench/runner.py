@@ -107,7 +107,7 @@ def run_bench(args, loader=None) -> int:
             from ..models import load_draft_model
 
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                                     load)
+                                     loader)
         from ..generator import SpeculativeGenerator, eos_ids
 
         ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),
