@@ -170,9 +170,9 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None,
                        packed: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x2 @ weight.T (+ bias) with the native kernel; x2 [rows, in] and weight [out, in] bf16,
-    bias32 fp32 or None, `packed` = pack_bf16(weight) when the caller keeps one; returns bf16
-    [rows, out] (fp32 accumulation, rounded once)."""
+    """y = x2 @ weight.T (+ bias) with the native kernel (as PackedLinear runs it); x2 [rows, in] and
+    weight [out, in] bf16, bias32 fp32 or None, `packed` = pack_bf16(weight) when the caller keeps one;
+    returns bf16 [rows, out] (fp32 accumulation, rounded once)."""
     if packed is None:
         packed = pack_bf16(weight)
     lib = native_lib()
@@ -180,20 +180,27 @@ def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Ten
     return _native_call(fn, x2, packed, None, weight.shape[0], bias32)
 
 
-def _native_call(fn, x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, out: int,
+def _native_call(fn, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, out: int,
                  bias32: torch.Tensor | None, *extra: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """Run one of the kernel's entry points (hs_linear_bf16 / hs_linear_i8 / hs_linear_w8a8, whose weight sums
-    come in `extra` before the scale / hs_linear_w4a8 with `group`) on bf16 rows x2 [rows, in]."""
-    x2 = x2.contiguous()
-    y = torch.empty(x2.shape[0], out, dtype=torch.bfloat16)
-    args = [x2.data_ptr(), x2.shape[0], x2.shape[1], packed.data_ptr(), *(t.data_ptr() for t in extra)]
+    come in `extra` before the scale / hs_linear_w4a8 with `group`) on bf16 rows x [..., in]; returns
+    [..., out] bf16. Kept lean: a draft token of a 0.5B model makes ~170 of these calls."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    y = torch.empty(n, out, dtype=torch.bfloat16)
+    args = [x2.data_ptr(), n, shape[-1], packed.data_ptr()]
+    for t in extra:
+        args.append(t.data_ptr())
     if scale is not None:
         args.append(scale.data_ptr())
     if group is not None:
         args.append(group)
     if fn(*args, out, y.data_ptr(), None if bias32 is None else bias32.data_ptr(), torch.get_num_threads()):
         raise MemoryError("hydraspec CPU kernel: out of memory")
-    return y
+    return y.view(*shape[:-1], out)
 
 
 def available() -> bool:
@@ -273,9 +280,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            x2 = x.reshape(-1, self.in_features)
-            y = native_linear_bf16(x2, self.weight, self.bias32, self.packed)
-            return y.view(*x.shape[:-1], self.out_features)
+            lib, packed = native_lib(), self.packed
+            fn = lib.hs_linear_bf16_pairs if packed.ndim == 4 else lib.hs_linear_bf16
+            return _native_call(fn, x, packed, None, self.out_features, self.bias32)
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return nn.functional.linear(x, self.weight, self.bias)
         shape = x.shape
@@ -320,10 +327,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = native_lib()
-        if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            y = _native_call(lib.hs_linear_i8, x.reshape(-1, self.in_features), self.qweight, self.scale,
-                             self.out_features, self.bias32)
-            return y.view(*x.shape[:-1], self.out_features)
+        if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
+            b = self._buffers  # not self.qweight: a buffer lookup through nn.Module.__getattr__ costs ~2 µs
+            return _native_call(lib.hs_linear_i8, x, b["qweight"], b["scale"], self.out_features, b["bias32"])
         y = nn.functional.linear(x.float(), self.dequantized(), self.bias32)
         return y.to(x.dtype)
 
@@ -384,18 +390,19 @@ class W8A8Linear(nn.Module):
         return self.int_weight().float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
         lib = int8_dot_lib()
-        if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            y = _native_call(lib.hs_linear_w8a8, x2, self.qweight, self.scale, self.out_features,
-                             self.bias32, self.wsum)
-        else:  # the kernel's arithmetic: exact integer sums, then the same fp32 products
-            q, s = quantize_rows(x2)
-            acc = ((q + 128).double() @ self.int_weight().double().T).to(torch.int64) - self.wsum
-            y = acc.float() * s[:, None] * self.scale
-            if self.bias32 is not None:
-                y = y + self.bias32
-            y = y.to(x.dtype)
+        if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
+            b = self._buffers
+            return _native_call(lib.hs_linear_w8a8, x, b["qweight"], b["scale"], self.out_features, b["bias32"],
+                                b["wsum"])
+        x2 = x.reshape(-1, self.in_features)
+        # the kernel's arithmetic: exact integer sums, then the same fp32 products
+        q, s = quantize_rows(x2)
+        acc = ((q + 128).double() @ self.int_weight().double().T).to(torch.int64) - self.wsum
+        y = acc.float() * s[:, None] * self.scale
+        if self.bias32 is not None:
+            y = y + self.bias32
+        y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -441,22 +448,23 @@ class W4A8Linear(nn.Module):
         return self.int_weight().float() * self.group_scales().repeat_interleave(self.group, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
         lib = int8_dot_lib()
-        if lib is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            y = _native_call(lib.hs_linear_w4a8, x2, self.qweight, self.scale, self.out_features,
-                             self.bias32, group=self.group)
-        else:  # the kernel's arithmetic: exact integer sums per group, scaled and added in group order
-            q, s = quantize_rows(x2)
-            w, gs = self.int_weight().double(), self.group_scales()
-            y = torch.zeros(x2.shape[0], self.out_features)
-            for k, i in enumerate(range(0, self.in_features, self.group)):
-                part = (q[:, i:i + self.group].double() @ w[:, i:i + self.group].T).float()
-                y = y + part * gs[:, k]
-            y = y * s[:, None]
-            if self.bias32 is not None:
-                y = y + self.bias32
-            y = y.to(x.dtype)
+        if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
+            b = self._buffers
+            return _native_call(lib.hs_linear_w4a8, x, b["qweight"], b["scale"], self.out_features, b["bias32"],
+                                group=self.group)
+        x2 = x.reshape(-1, self.in_features)
+        # the kernel's arithmetic: exact integer sums per group, scaled and added in group order
+        q, s = quantize_rows(x2)
+        w, gs = self.int_weight().double(), self.group_scales()
+        y = torch.zeros(x2.shape[0], self.out_features)
+        for k, i in enumerate(range(0, self.in_features, self.group)):
+            part = (q[:, i:i + self.group].double() @ w[:, i:i + self.group].T).float()
+            y = y + part * gs[:, k]
+        y = y * s[:, None]
+        if self.bias32 is not None:
+            y = y + self.bias32
+        y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

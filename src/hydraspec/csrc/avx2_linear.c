@@ -1,4 +1,5 @@
-/* hydraspec: y[n, out] = x[n, in] @ w[out, in]^T (+ bias) for bf16 and int8 weights on AVX2 CPUs.
+/* hydraspec: y[n, out] = x[n, in] @ w[out, in]^T (+ bias) for bf16 and int8 weights on AVX2 CPUs, and
+   the int8-activation formats of draft models (w8a8, w4a8; second half of this file).
 
    The AVX2 (+FMA) counterpart of bf16_linear.c for CPUs without AVX-512 (e.g. AMD Zen 2/3, Intel
    before Skylake-SP): torch's bf16 GEMM emulates bf16 there row by row (a Qwen2.5-1.5B forward: 213 ms
@@ -15,7 +16,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, quantize_rows, group_code_sums */
+#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, make_int8_rows */
+
 #define NB 6  /* rows per pass of the half-block kernels */
 #define NF 2  /* rows per pass of the full-block kernels */
 

@@ -14,7 +14,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, quantize_rows, group_code_sums */
+#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, make_int8_rows */
 
 #define NB 12 /* activation rows per micro-kernel pass */
 
