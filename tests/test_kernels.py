@@ -154,7 +154,7 @@ def _int8_dot_build(isa, monkeypatch):
     if isa == "native":
         lib = kernels.int8_dot_lib()
     else:
-        lib = kernels.build_native("avx2") if _cpu_runs("avx2") else None
+        lib = kernels.build_native("avx2") if kernels.cpu_runs("avx2") else None
     if lib is None:
         pytest.skip(f"no {isa} int8 dot-product kernel here")
     monkeypatch.setattr(kernels, "int8_dot_lib", lambda: lib)
@@ -224,12 +224,6 @@ def test_w4a8_group_sizes_and_fallback():
     assert isinstance(odd.lm_head, W8A8Linear)  # 40 inputs: no 4-bit group fits
 
 
-def _cpu_runs(isa):
-    from hydraspec import kernels
-    flags = kernels._cpu_flags()
-    return {"avx2", "fma"} <= flags if isa == "avx2" else {"avx512f", "avx512bw", "avx512vl"} <= flags
-
-
 @pytest.mark.parametrize("in_features", [1536, 40, 7])
 def test_avx2_kernel_sums_like_the_avx512_kernel(in_features, monkeypatch):
     """The AVX2 build (CPUs without AVX-512) keeps the AVX-512 build's layout and summation order: on a
@@ -238,12 +232,12 @@ def test_avx2_kernel_sums_like_the_avx512_kernel(in_features, monkeypatch):
     float64 product."""
     from hydraspec import kernels
     from hydraspec.kernels import Int8Linear, native_linear_bf16
-    if not _cpu_runs("avx2"):
+    if not kernels.cpu_runs("avx2"):
         pytest.skip("no AVX2 + FMA on this CPU")
     avx2 = kernels.build_native("avx2")
     if avx2 is None:
         pytest.skip("no C compiler")
-    avx512 = kernels.build_native("avx512") if _cpu_runs("avx512") else None
+    avx512 = kernels.build_native("avx512") if kernels.cpu_runs("avx512") else None
     monkeypatch.setattr(kernels, "bf16_dot", lambda: False)
     torch.manual_seed(7)
     lin = nn.Linear(in_features, 77, bias=True).to(torch.bfloat16)  # 77 outputs: a partial third block

@@ -19,9 +19,10 @@ Qwen2.5-1.5B forward over 16 tokens went from ~330 to ~160 ms on a 2-core AMD EP
 with the system C compiler into the hydraspec home (`kernels/`) and used when the CPU has AVX-512
 (set HYDRASPEC_NATIVE=0 to turn it off). CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, older
 Intel) get `csrc/avx2_linear.c` instead: bf16 and int8 weights and the w8a8/w4a8 draft formats, in the
-same layouts and with the same sums (the scalar parts of both builds live in `csrc/hs_common.h`; there oneDNN refuses to prepack bf16 weights, and torch's plain bf16 matmul grows with every
-row: a Qwen2.5-1.5B forward took 213 ms for 1 token and 2446 ms for 16 on a 2-core Zen 3). Without a
-compiler or either instruction set everything falls back to torch, only slower.
+same layouts and with the same sums (there oneDNN refuses to prepack bf16 weights, and torch's plain
+bf16 matmul grows with every row: a Qwen2.5-1.5B forward took 213 ms for 1 token and 2446 ms for 16 on
+a 2-core Zen 3). The scalar parts of both builds live in `csrc/hs_common.h`. Without a compiler or
+either instruction set everything falls back to torch, only slower.
 """
 from __future__ import annotations
 
@@ -50,15 +51,19 @@ def _cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
+_ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma"}}  # best first
+
+
+def cpu_runs(isa: str) -> bool:
+    """Whether this CPU can run the native kernel's `isa` build ('avx512' or 'avx2')."""
+    return _ISA_FLAGS[isa] <= _cpu_flags()
+
+
 def native_isa() -> str | None:
     """Which build of the native kernel this CPU runs: 'avx512' (csrc/bf16_linear.c: bf16 and int8
     weights, w8a8/w4a8 with VNNI, vdpbf16ps with AVX512_BF16), 'avx2' (csrc/avx2_linear.c: bf16 and int8
     weights, w8a8/w4a8, same layouts and same sums) or None."""
-    if {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
-        return "avx512"
-    if {"avx2", "fma"} <= _cpu_flags():
-        return "avx2"
-    return None
+    return next((isa for isa in _ISA_FLAGS if cpu_runs(isa)), None)
 
 
 def describe() -> str:
@@ -175,9 +180,13 @@ def native_linear_bf16(x2: torch.Tensor, weight: torch.Tensor, bias32: torch.Ten
     returns bf16 [rows, out] (fp32 accumulation, rounded once)."""
     if packed is None:
         packed = pack_bf16(weight)
+    return _native_call(_bf16_entry(packed), x2, packed, None, weight.shape[0], bias32)
+
+
+def _bf16_entry(packed: torch.Tensor):
+    """The kernel's entry point for a weight packed by pack_bf16: input pairs (4-D) or plain blocks."""
     lib = native_lib()
-    fn = lib.hs_linear_bf16_pairs if packed.ndim == 4 else lib.hs_linear_bf16
-    return _native_call(fn, x2, packed, None, weight.shape[0], bias32)
+    return lib.hs_linear_bf16_pairs if packed.ndim == 4 else lib.hs_linear_bf16
 
 
 def _native_call(fn, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor | None, out: int,
@@ -280,9 +289,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            lib, packed = native_lib(), self.packed
-            fn = lib.hs_linear_bf16_pairs if packed.ndim == 4 else lib.hs_linear_bf16
-            return _native_call(fn, x, packed, None, self.out_features, self.bias32)
+            packed = self.packed
+            return _native_call(_bf16_entry(packed), x, packed, None, self.out_features, self.bias32)
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype:
             return nn.functional.linear(x, self.weight, self.bias)
         shape = x.shape
@@ -346,7 +354,7 @@ def int8_dot_lib():
         return None
     if native_isa() == "avx512" and "avx512_vnni" in _cpu_flags():
         return native_lib()
-    return build_native("avx2") if {"avx2", "fma"} <= _cpu_flags() else None
+    return build_native("avx2") if cpu_runs("avx2") else None
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
