@@ -14,6 +14,8 @@ public AttentionInterface / AttentionMaskInterface (the model classes stay the s
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 NAME = "hydraspec_cpu"
@@ -40,8 +42,11 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if not simple:
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
-    g = h // hkv
     scale = scaling if scaling is not None else d ** -0.5
+    out = _native(query, key, value, attention_mask, scale)
+    if out is not None:
+        return out, None
+    g = h // hkv
     # heads h = j * g + i share kv head j: fold the g query heads of a kv head into the rows
     q = query.reshape(b, hkv, g * n, d).float()
     scores = torch.matmul(q, key.float().transpose(-1, -2))  # [B, Hkv, g*n, L]
@@ -63,6 +68,48 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     out = torch.matmul(probs, value.float())  # [B, Hkv, g*n, dv]
     out = out.view(b, h, n, value.shape[-1]).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+_MASK_KIND = {torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
+
+
+def _native(query, key, value, attention_mask, scale: float):
+    """The same attention as one call of the native kernel (``hs_attention``, csrc/hs_ops.h), or None where
+    it does not apply (no kernel, other dtypes, a per-head mask, strided last dimensions)."""
+    from .kernels import fused_lib
+
+    lib = fused_lib()
+    dt = query.dtype
+    if (lib is None or dt not in (torch.float32, torch.bfloat16) or key.dtype != dt or value.dtype != dt
+            or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1):
+        return None
+    b, h, n, d = query.shape
+    hkv, kv_len, dv = key.shape[1], key.shape[2], value.shape[-1]
+    if d % 8 or dv % 8 or h % hkv:
+        return None
+    mkind, mptr, ms = 0, None, (0, 0)
+    if attention_mask is not None:
+        m = attention_mask
+        if m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != n or m.shape[-1] < kv_len or m.dtype not in _MASK_KIND:
+            return None
+        if m.stride(-1) != 1:
+            m = m.contiguous()
+        if m.dtype == torch.float32 and dt == torch.bfloat16 or m.dtype == torch.bfloat16 and dt == torch.float32:
+            return None
+        mkind, mptr = _MASK_KIND[m.dtype], m.data_ptr()
+        ms = (m.stride(0) if m.shape[0] > 1 else 0, m.stride(2))
+        if m.shape[0] not in (1, b):
+            return None
+    out = torch.empty(b, n, h, dv, dtype=dt)
+    arr = ctypes.c_int64 * 3
+    err = lib.hs_attention(query.data_ptr(), arr(query.stride(0), query.stride(1), query.stride(2)),
+                           key.data_ptr(), arr(key.stride(0), key.stride(1), key.stride(2)),
+                           value.data_ptr(), arr(value.stride(0), value.stride(1), value.stride(2)),
+                           mptr, arr(ms[0], ms[1], 0), mkind, dt == torch.bfloat16, b, h, hkv, n, kv_len, d, dv,
+                           scale, out.data_ptr(), torch.get_num_threads())
+    if err:
+        raise MemoryError("hydraspec CPU attention kernel: out of memory")
+    return out
 
 
 _registered = False

@@ -94,7 +94,7 @@ def build_native(isa: str):
     from .models import hydraspec_home
 
     flags = _CFLAGS if isa == "avx512" else _CFLAGS_AVX2
-    text = src.read_bytes() + src.with_name("hs_common.h").read_bytes()  # the build key covers the header
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # and the headers
     key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = hydraspec_home() / "kernels"
     so = out_dir / f"{src.stem}-{key}.so"
@@ -133,6 +133,14 @@ def build_native(isa: str):
     lib.hs_linear_w4a8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.hs_linear_w4a8.restype = ctypes.c_int
+    lib.hs_rmsnorm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                               ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.hs_rmsnorm.restype = ctypes.c_int
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    lib.hs_attention.argtypes = [ctypes.c_void_p, i64p, ctypes.c_void_p, i64p, ctypes.c_void_p, i64p, ctypes.c_void_p,
+                                 i64p, ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 7 + \
+                                [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    lib.hs_attention.restype = ctypes.c_int
     if isa != "avx512":
         return lib
     lib.hs_linear_bf16_pairs.argtypes = fn.argtypes
@@ -511,6 +519,74 @@ def _swap_linears(model: nn.Module, make) -> int:
                 todo.append((mod, child_name, child))
     for parent, child_name, child in todo:
         setattr(parent, child_name, make(child))
+    return len(todo)
+
+
+@lru_cache(maxsize=1)
+def fused_lib():
+    """The native kernel for the fused small operations (RMSNorm, few-query attention), or None: without
+    the kernel, or with HYDRASPEC_FUSED=0 (then torch computes them, as before)."""
+    return native_lib() if os.environ.get("HYDRASPEC_FUSED", "1") != "0" else None
+
+
+class FusedRMSNorm(nn.Module):
+    """The Llama/Qwen2/Mistral RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in
+    fp32) as one native call (``hs_rmsnorm`` in csrc/hs_ops.h) instead of 8 torch operations. Shares the
+    stock module's weight; falls back to the same formula in torch when gradients are on, for other
+    dtypes, or without the kernel."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = float(norm.variance_epsilon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        lib = fused_lib()
+        if (lib is not None and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
+                and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and x.is_contiguous() and w.is_contiguous() and x.numel()):
+            y = torch.empty_like(x)
+            lib.hs_rmsnorm(x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                           self.variance_epsilon, x.dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads())
+            return y
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return w * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, native"
+
+
+@lru_cache(maxsize=None)
+def _plain_rmsnorm(cls: type) -> bool:
+    """Whether an RMSNorm class computes exactly what FusedRMSNorm does: its forward is, line for line, the
+    Llama one (transformers generates Qwen2's, Mistral's, Qwen3's, SmolLM's ... from it)."""
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    try:
+        return inspect.getsource(cls.forward).strip() == inspect.getsource(LlamaRMSNorm.forward).strip()
+    except (OSError, TypeError):
+        return False
+
+
+def fuse_norms(model: nn.Module) -> int:
+    """Swap every CPU RMSNorm of the Llama kind inside `model` for a FusedRMSNorm (same weight; the
+    state dict does not change). Returns how many; 0 without the native kernel. Other norms (Gemma's
+    ``1 + weight``, LayerNorm) stay as they are."""
+    if fused_lib() is None:
+        return 0
+    todo = []
+    for mod in model.modules():
+        for name, child in mod.named_children():
+            w = getattr(child, "weight", None)
+            if (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 1
+                    and hasattr(child, "variance_epsilon") and _plain_rmsnorm(type(child))):
+                todo.append((mod, name, child))
+    for parent, name, child in todo:
+        setattr(parent, name, FusedRMSNorm(child))
     return len(todo)
 
 

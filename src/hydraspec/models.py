@@ -755,6 +755,10 @@ def load_model(
     if dev != "cpu" and next(model.parameters()).device.type != dev:
         model.to(dev)
     model.eval()
+    if dev == "cpu":
+        from .kernels import fuse_norms
+
+        fuse_norms(model)
     if prepack or (prepack is None and os.environ.get("HYDRASPEC_PREPACK", "1") != "0"):
         if dev == "cpu":
             from .kernels import prepack as _prepack

@@ -17,6 +17,7 @@
 #include <omp.h>
 #endif
 #include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, make_int8_rows */
+#include "hs_ops.h"    /* hs_rmsnorm, hs_attention */
 
 #define NB 6  /* rows per pass of the half-block kernels */
 #define NF 2  /* rows per pass of the full-block kernels */

@@ -1,0 +1,220 @@
+/* hydraspec: the small per-layer operations of a decoding step, fused, for both builds of the CPU
+   kernel (included by bf16_linear.c and avx2_linear.c; plain C that the compiler vectorises).
+
+   A decoding or verify step of a 0.5-1.5B model on a CPU spends 20-40 % of its time outside the
+   matrix products: an RMSNorm is 8 torch operations, few-query attention 10-15, each costing a few
+   microseconds of dispatch for a few hundred numbers of work. Here each is one call.
+
+   hs_rmsnorm: y = w * round(x * rsqrt(mean(x^2) + eps)), the Llama/Qwen2/Mistral RMSNorm: statistics
+   in fp32, the normalised row rounded to the input dtype before the weight multiplies it (in fp32,
+   rounded once more), as the stock module does. The sum of squares runs in a fixed order of 8 lanes.
+
+   hs_attention: softmax(scale * q k^T + mask) v for up to a few dozen query rows against the cache,
+   grouped-query heads reading their shared kv head, in fp32 from bf16 or fp32 inputs. Each query row
+   is computed on its own and every sum over keys runs over them in order, skipping keys the mask
+   hides (their weight is exactly 0). So a row's result does not depend on the rows beside it, nor on
+   masked-out keys between the ones it sees: a tree node's attention output equals, bit for bit, that
+   of the same token decoded alone after its ancestors. */
+#ifndef HS_OPS_H
+#define HS_OPS_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <immintrin.h>
+#include "hs_common.h" /* f2bf, bf2f */
+
+static inline float ld_f32(const void* p, int64_t i) { return ((const float*)p)[i]; }
+static inline float ld_bf16(const void* p, int64_t i) { return bf2f(((const uint16_t*)p)[i]); }
+
+/* e^x for x <= 0 (softmax after subtracting the row maximum): 2^n * p(r), r = x - n ln2 in
+   [-ln2/2, ln2/2], with the Cephes single-precision polynomial (relative error ~1e-7). Branch-free so
+   that loops over it vectorise; x below -87 gives 0. */
+static inline float hs_exp_neg(float x) {
+    float xc = x < -87.0f ? -87.0f : x;
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s; memcpy(&s, &e, 4);
+    return x < -87.0f ? 0.0f : p * s;
+}
+
+#define HS_RMSNORM(NAME, T, LD, ST)                                                                   \
+static void NAME(const T* x, const T* w, int64_t n, int64_t dim, float eps, T* y, int nthreads) {    \
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(n >= 8)")                    \
+    for (int64_t r = 0; r < n; r++) {                                                                 \
+        const T* xr = x + r * dim;                                                                    \
+        T* yr = y + r * dim;                                                                          \
+        float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                        \
+        int64_t t = 0;                                                                                \
+        for (; t + 8 <= dim; t += 8)                                                                  \
+            for (int l = 0; l < 8; l++) { float v = LD(xr, t + l); a[l] += v * v; }                   \
+        for (; t < dim; t++) { float v = LD(xr, t); a[t & 7] += v * v; }                              \
+        float ss = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));                 \
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                              \
+        for (t = 0; t < dim; t++) ST(yr, t, LD(w, t) * LD2(xr, t, inv));                              \
+    }                                                                                                 \
+}
+
+/* the normalised value, rounded to the row's dtype as the stock module's .to(input_dtype) does */
+#define LD2_F32(xr, t, inv) (ld_f32(xr, t) * (inv))
+#define LD2_BF16(xr, t, inv) bf2f(f2bf(ld_bf16(xr, t) * (inv)))
+#define ST_F32(p, i, v) (((float*)(p))[i] = (v))
+#define ST_BF16(p, i, v) (((uint16_t*)(p))[i] = f2bf(v))
+
+#define LD2 LD2_F32
+HS_RMSNORM(rmsnorm_f32, float, ld_f32, ST_F32)
+#undef LD2
+#define LD2 LD2_BF16
+HS_RMSNORM(rmsnorm_bf16, uint16_t, ld_bf16, ST_BF16)
+#undef LD2
+
+/* x, w, y: [n, dim] contiguous rows and [dim] weight, all fp32 (bf16 = 0) or all bf16 (bf16 = 1) */
+int hs_rmsnorm(const void* x, const void* w, int64_t n, int64_t dim, float eps, int bf16, void* y, int nthreads) {
+    if (bf16) rmsnorm_bf16((const uint16_t*)x, (const uint16_t*)w, n, dim, eps, (uint16_t*)y, nthreads);
+    else rmsnorm_f32((const float*)x, (const float*)w, n, dim, eps, (float*)y, nthreads);
+    return 0;
+}
+
+/* mask kinds: 0 none (every key), 1 bool bytes (nonzero = attend), 2 additive fp32, 3 additive bf16 */
+static inline float mask_at(const void* m, int kind, int64_t i, int* hidden) {
+    if (kind == 1) { *hidden = ((const uint8_t*)m)[i] == 0; return 0.0f; }
+    float v = kind == 2 ? ((const float*)m)[i] : bf2f(((const uint16_t*)m)[i]);
+    *hidden = v == -INFINITY;
+    return v;
+}
+
+/* 8 consecutive elements -> fp32 (AVX2; the AVX-512 build has it too) */
+static inline __m256 ld8_f32(const void* p, int64_t i) { return _mm256_loadu_ps((const float*)p + i); }
+static inline __m256 ld8_bf16(const void* p, int64_t i) {
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float lane_sum(__m256 a) {
+    float l[8];
+    _mm256_storeu_ps(l, a);
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* Four query rows of one kv head against its L keys (rows past nr repeat row 0 and are dropped):
+   scores, softmax and the weighted values, into o[4][DV] fp32. Each key and value vector is converted
+   once for the four rows. Every dot product runs over the dimensions in 8 lanes, summed in a fixed
+   order, and every weighted sum visits the keys in order (hidden keys add exact zeros), so a row's
+   result depends on nothing but the row and the keys it sees: not on the rows beside it, nor on hidden
+   keys between those it sees. D and DV are multiples of 8 (checked by the caller). */
+#define HS_ATTN_BLOCK(NAME, LD8)                                                                      \
+static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,        \
+                 int64_t ks, const void* v, int64_t vs, int64_t L, int64_t D, int64_t DV, float scale, \
+                 float* qf, float* s, float* o) {                                                     \
+    for (int r = 0; r < 4; r++)                                                                       \
+        for (int64_t t = 0; t < D; t += 8) _mm256_storeu_ps(qf + r * D + t, LD8(q[r < nr ? r : 0], t)); \
+    for (int64_t j = 0; j < L; j++) {                                                                 \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                   \
+        const int64_t kj = j * ks;                                                                    \
+        for (int64_t t = 0; t < D; t += 8) {                                                          \
+            const __m256 kv = LD8(k, kj + t);                                                         \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + t), kv, a0);                                    \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + D + t), kv, a1);                                \
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 2 * D + t), kv, a2);                            \
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 3 * D + t), kv, a3);                            \
+        }                                                                                             \
+        s[j] = lane_sum(a0) * scale; s[L + j] = lane_sum(a1) * scale;                                 \
+        s[2 * L + j] = lane_sum(a2) * scale; s[3 * L + j] = lane_sum(a3) * scale;                     \
+    }                                                                                                 \
+    float den[4];                                                                                     \
+    for (int r = 0; r < 4; r++) {                                                                     \
+        float* sr = s + r * L;                                                                        \
+        const void* mr = m[r < nr ? r : 0];                                                           \
+        float mx = -INFINITY;                                                                         \
+        for (int64_t j = 0; j < L; j++) {                                                             \
+            if (mkind) {                                                                              \
+                int hidden = 0;                                                                       \
+                float add = mask_at(mr, mkind, j, &hidden);                                           \
+                sr[j] = hidden ? -INFINITY : sr[j] + add;                                             \
+            }                                                                                         \
+            if (sr[j] > mx) mx = sr[j];                                                               \
+        }                                                                                             \
+        den[r] = 0.0f;                                                                                \
+        for (int64_t j = 0; j < L; j++) {                                                             \
+            sr[j] = (mx == -INFINITY || sr[j] == -INFINITY) ? 0.0f : hs_exp_neg(sr[j] - mx);          \
+            den[r] += sr[j];                                                                          \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int64_t t0 = 0; t0 < DV; t0 += 16) {                                                         \
+        const int two = DV - t0 >= 16;                                                                \
+        __m256 c[4][2];                                                                               \
+        for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();                          \
+        for (int64_t j = 0; j < L; j++) {                                                             \
+            if (s[j] == 0.0f && s[L + j] == 0.0f && s[2 * L + j] == 0.0f && s[3 * L + j] == 0.0f) continue; \
+            const int64_t vj = j * vs + t0;                                                           \
+            const __m256 v0 = LD8(v, vj), v1 = two ? LD8(v, vj + 8) : v0;                             \
+            for (int r = 0; r < 4; r++) {                                                             \
+                const __m256 p = _mm256_set1_ps(s[r * L + j]);                                        \
+                c[r][0] = _mm256_fmadd_ps(p, v0, c[r][0]);                                            \
+                c[r][1] = _mm256_fmadd_ps(p, v1, c[r][1]);                                            \
+            }                                                                                         \
+        }                                                                                             \
+        for (int r = 0; r < 4; r++) {                                                                 \
+            const __m256 dn = _mm256_set1_ps(den[r] > 0.0f ? den[r] : 1.0f);                          \
+            _mm256_storeu_ps(o + r * DV + t0, _mm256_div_ps(c[r][0], dn));                            \
+            if (two) _mm256_storeu_ps(o + r * DV + t0 + 8, _mm256_div_ps(c[r][1], dn));               \
+        }                                                                                             \
+    }                                                                                                 \
+}
+HS_ATTN_BLOCK(attn_block_f32, ld8_f32)
+HS_ATTN_BLOCK(attn_block_bf16, ld8_bf16)
+
+/* q [B, H, N, D] with element strides qs = {b, h, n} (d contiguous); k [B, HKV, L, D] and v [B, HKV, L, DV]
+   with strides ks / vs = {b, h, l}; mask [B, N, L] with strides ms = {b, n} (l contiguous), shared by
+   all heads; out [B, N, H, DV] contiguous. Query head i reads kv head i / (H / HKV). All tensors fp32
+   (bf16 = 0) or bf16 (bf16 = 1), additive masks too. Returns -1 when out of memory. */
+int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t* ks, const void* v,
+                 const int64_t* vs, const void* mask, const int64_t* ms, int mkind, int bf16, int64_t B,
+                 int64_t H, int64_t HKV, int64_t N, int64_t L, int64_t D, int64_t DV, float scale,
+                 void* out, int nthreads) {
+    const int64_t g = H / HKV, rows = g * N, nblk = (rows + 3) / 4, tasks = B * HKV * nblk;
+    const size_t es = bf16 ? 2 : 4, mes = mkind == 1 ? 1 : (mkind == 2 ? 4 : 2);
+    int err = 0;
+    #pragma omp parallel num_threads(nthreads) if(tasks > 1)
+    {
+        float* buf = (float*)malloc((size_t)(4 * (D + L + DV)) * sizeof(float));
+        if (!buf) {
+            #pragma omp atomic write
+            err = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!buf) continue;
+            const int64_t b = task / (HKV * nblk), kvh = (task / nblk) % HKV, r0 = (task % nblk) * 4;
+            const int nr = rows - r0 < 4 ? (int)(rows - r0) : 4;
+            const void* qp[4];
+            const void* mp[4];
+            int64_t head[4], qi[4];
+            for (int r = 0; r < nr; r++) {
+                head[r] = kvh * g + (r0 + r) / N, qi[r] = (r0 + r) % N;
+                qp[r] = (const char*)q + (size_t)(b * qs[0] + head[r] * qs[1] + qi[r] * qs[2]) * es;
+                mp[r] = mkind ? (const char*)mask + (size_t)(b * ms[0] + qi[r] * ms[1]) * mes : NULL;
+            }
+            const char* kp = (const char*)k + (size_t)(b * ks[0] + kvh * ks[1]) * es;
+            const char* vp = (const char*)v + (size_t)(b * vs[0] + kvh * vs[1]) * es;
+            float *qf = buf, *s = buf + 4 * D, *o = buf + 4 * (D + L);
+            if (bf16) attn_block_bf16(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], L, D, DV, scale, qf, s, o);
+            else attn_block_f32(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], L, D, DV, scale, qf, s, o);
+            for (int r = 0; r < nr; r++) {
+                const int64_t off = ((b * N + qi[r]) * H + head[r]) * DV;
+                if (bf16) for (int64_t t = 0; t < DV; t++) ((uint16_t*)out)[off + t] = f2bf(o[r * DV + t]);
+                else memcpy((float*)out + off, o + r * DV, (size_t)DV * sizeof(float));
+            }
+        }
+        free(buf);
+    }
+    return err ? -1 : 0;
+}
+#endif
