@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-shared", "-fPIC"]
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-shared", "-fPIC"]
 _CFLAGS_AVX2 = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 
 
@@ -51,7 +51,7 @@ def _cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
-_ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma"}}  # best first
+_ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "fma"}, "avx2": {"avx2", "fma"}}  # best first
 
 
 def cpu_runs(isa: str) -> bool:
