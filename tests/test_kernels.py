@@ -271,6 +271,9 @@ def test_reports_name_the_cpu_kernel(monkeypatch):
         "avx512-bf16dot" if kernels.bf16_dot() else kernels.native_isa())
     assert kernels.describe() == expected
     assert machine_line(machine_info("bfloat16", "cpu")).endswith(f"CPU kernel {expected}")
+    if expected != "torch":  # a run with HYDRASPEC_FUSED=0 says so
+        monkeypatch.setattr(kernels, "fused_lib", lambda: None)
+        assert machine_line(machine_info("bfloat16", "cpu")).endswith(f"CPU kernel {expected}, fused ops off")
     monkeypatch.setattr(kernels, "native_lib", lambda: None)
     assert kernels.describe() == "torch"
 
