@@ -90,16 +90,13 @@ def _native(query, key, value, attention_mask, scale: float):
     mkind, mptr, ms = 0, None, (0, 0)
     if attention_mask is not None:
         m = attention_mask
-        if m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != n or m.shape[-1] < kv_len or m.dtype not in _MASK_KIND:
-            return None
+        if (m.dim() != 4 or m.shape[0] not in (1, b) or m.shape[1] != 1 or m.shape[2] != n
+                or m.shape[-1] < kv_len or m.dtype not in (torch.bool, dt)):
+            return None  # per-head masks, additive masks of another dtype: the torch path
         if m.stride(-1) != 1:
             m = m.contiguous()
-        if m.dtype == torch.float32 and dt == torch.bfloat16 or m.dtype == torch.bfloat16 and dt == torch.float32:
-            return None
         mkind, mptr = _MASK_KIND[m.dtype], m.data_ptr()
-        ms = (m.stride(0) if m.shape[0] > 1 else 0, m.stride(2))
-        if m.shape[0] not in (1, b):
-            return None
+        ms = (m.stride(0) if m.shape[0] > 1 else 0, m.stride(2))  # only the first kv_len columns are read
     out = torch.empty(b, n, h, dv, dtype=dt)
     arr = ctypes.c_int64 * 3
     err = lib.hs_attention(query.data_ptr(), arr(query.stride(0), query.stride(1), query.stride(2)),
