@@ -1,5 +1,6 @@
 /* hydraspec: the small per-layer operations of a decoding step, fused, for both builds of the CPU
-   kernel (included by bf16_linear.c and avx2_linear.c; plain C that the compiler vectorises).
+   kernel (included by bf16_linear.c and avx2_linear.c): the RMSNorm in plain C that the compiler
+   vectorises, the attention with 256-bit AVX2/FMA intrinsics, which both builds compile (-mfma).
 
    A decoding or verify step of a 0.5-1.5B model on a CPU spends 20-40 % of its time outside the
    matrix products: an RMSNorm is 8 torch operations, few-query attention 10-15, each costing a few
