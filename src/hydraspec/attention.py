@@ -18,6 +18,8 @@ import ctypes
 
 import torch
 
+from . import kernels
+
 NAME = "hydraspec_cpu"
 MAX_QUERIES = 64  # query rows per call handled here; longer calls (prefill) go to sdpa
 
@@ -71,21 +73,20 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 _MASK_KIND = {torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
+_I64x3 = ctypes.c_int64 * 3  # the kernel's stride triples
 
 
 def _native(query, key, value, attention_mask, scale: float):
     """The same attention as one call of the native kernel (``hs_attention``, csrc/hs_ops.h), or None where
     it does not apply (no kernel, other dtypes, a per-head mask, strided last dimensions)."""
-    from .kernels import fused_lib
-
-    lib = fused_lib()
+    lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
     dt = query.dtype
     if (lib is None or dt not in (torch.float32, torch.bfloat16) or key.dtype != dt or value.dtype != dt
             or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1):
         return None
     b, h, n, d = query.shape
     hkv, kv_len, dv = key.shape[1], key.shape[2], value.shape[-1]
-    if d % 8 or dv % 8 or h % hkv:
+    if d % 8 or dv % 8:
         return None
     mkind, mptr, ms = 0, None, (0, 0)
     if attention_mask is not None:
@@ -98,12 +99,10 @@ def _native(query, key, value, attention_mask, scale: float):
         mkind, mptr = _MASK_KIND[m.dtype], m.data_ptr()
         ms = (m.stride(0) if m.shape[0] > 1 else 0, m.stride(2))  # only the first kv_len columns are read
     out = torch.empty(b, n, h, dv, dtype=dt)
-    arr = ctypes.c_int64 * 3
-    err = lib.hs_attention(query.data_ptr(), arr(query.stride(0), query.stride(1), query.stride(2)),
-                           key.data_ptr(), arr(key.stride(0), key.stride(1), key.stride(2)),
-                           value.data_ptr(), arr(value.stride(0), value.stride(1), value.stride(2)),
-                           mptr, arr(ms[0], ms[1], 0), mkind, dt == torch.bfloat16, b, h, hkv, n, kv_len, d, dv,
-                           scale, out.data_ptr(), torch.get_num_threads())
+    err = lib.hs_attention(query.data_ptr(), _I64x3(*query.stride()[:3]), key.data_ptr(), _I64x3(*key.stride()[:3]),
+                           value.data_ptr(), _I64x3(*value.stride()[:3]), mptr, _I64x3(ms[0], ms[1], 0), mkind,
+                           dt == torch.bfloat16, b, h, hkv, n, kv_len, d, dv, scale, out.data_ptr(),
+                           torch.get_num_threads())
     if err:
         raise MemoryError("hydraspec CPU attention kernel: out of memory")
     return out
