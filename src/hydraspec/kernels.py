@@ -532,13 +532,14 @@ def fused_lib():
 class FusedRMSNorm(nn.Module):
     """The Llama/Qwen2/Mistral RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in
     fp32) as one native call (``hs_rmsnorm`` in csrc/hs_ops.h) instead of 8 torch operations. Shares the
-    stock module's weight; falls back to the same formula in torch when gradients are on, for other
-    dtypes, or without the kernel."""
+    stock module's weight; runs the stock class's own forward when gradients are on, for other dtypes,
+    or without the kernel."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
         self.weight = norm.weight
         self.variance_epsilon = float(norm.variance_epsilon)
+        self._stock_forward = type(norm).forward  # reads only .weight and .variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -550,9 +551,7 @@ class FusedRMSNorm(nn.Module):
             lib.hs_rmsnorm(x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
                            self.variance_epsilon, x.dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads())
             return y
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return w * xf.to(x.dtype)
+        return self._stock_forward(self, x)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, native"

@@ -46,7 +46,8 @@ static inline float hs_exp_neg(float x) {
     return x < -87.0f ? 0.0f : p * s;
 }
 
-#define HS_RMSNORM(NAME, T, LD, ST)                                                                   \
+/* RND: the normalised value rounded to the row's dtype, as the stock module's .to(input_dtype) does */
+#define HS_RMSNORM(NAME, T, LD, ST, RND)                                                              \
 static void NAME(const T* x, const T* w, int64_t n, int64_t dim, float eps, T* y, int nthreads) {    \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(n >= 8)")                    \
     for (int64_t r = 0; r < n; r++) {                                                                 \
@@ -59,22 +60,13 @@ static void NAME(const T* x, const T* w, int64_t n, int64_t dim, float eps, T* y
         for (; t < dim; t++) { float v = LD(xr, t); a[t & 7] += v * v; }                              \
         float ss = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));                 \
         float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                              \
-        for (t = 0; t < dim; t++) ST(yr, t, LD(w, t) * LD2(xr, t, inv));                              \
+        for (t = 0; t < dim; t++) yr[t] = ST(LD(w, t) * RND(LD(xr, t) * inv));                        \
     }                                                                                                 \
 }
-
-/* the normalised value, rounded to the row's dtype as the stock module's .to(input_dtype) does */
-#define LD2_F32(xr, t, inv) (ld_f32(xr, t) * (inv))
-#define LD2_BF16(xr, t, inv) bf2f(f2bf(ld_bf16(xr, t) * (inv)))
-#define ST_F32(p, i, v) (((float*)(p))[i] = (v))
-#define ST_BF16(p, i, v) (((uint16_t*)(p))[i] = f2bf(v))
-
-#define LD2 LD2_F32
-HS_RMSNORM(rmsnorm_f32, float, ld_f32, ST_F32)
-#undef LD2
-#define LD2 LD2_BF16
-HS_RMSNORM(rmsnorm_bf16, uint16_t, ld_bf16, ST_BF16)
-#undef LD2
+#define AS_F32(v) (v)
+#define BF16_ROUND(v) bf2f(f2bf(v))
+HS_RMSNORM(rmsnorm_f32, float, ld_f32, AS_F32, AS_F32)
+HS_RMSNORM(rmsnorm_bf16, uint16_t, ld_bf16, f2bf, BF16_ROUND)
 
 /* x, w, y: [n, dim] contiguous rows and [dim] weight, all fp32 (bf16 = 0) or all bf16 (bf16 = 1) */
 int hs_rmsnorm(const void* x, const void* w, int64_t n, int64_t dim, float eps, int bf16, void* y, int nthreads) {
