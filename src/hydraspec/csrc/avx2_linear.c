@@ -180,29 +180,20 @@ typedef void (*w8fn)(const int32_t*, int64_t, const int8_t*, int, const float*, 
                      int64_t, int64_t, const float*);
 static const w8fn W8[NQ + 1] = {0, w8_1, w8_2, w8_3};
 
+static void w8_tile(const int8_call* c, const int8_rows* q, int64_t b, int64_t j0, int64_t nr, int64_t o0,
+                    int64_t width) {
+    int64_t in4 = (c->in + 3) / 4;
+    const int8_t* wb = (const int8_t*)c->wq + (size_t)(b * in4 * 4 * OB);
+    for (int h = 0; h < 2 && 16 * h < width; h++)
+        W8[nr](q->xq + j0 * in4, in4, wb, h, q->sx + j0, c->scale, c->y + j0 * c->out, c->out, o0, width, c->bias);
+}
+
 /* x [n, in] bf16 times w8a8-packed int8 weights ([ceil(out/32)][in4][32][4], as bf16_linear.c; wsum is
    not needed: the codes here are signed) -> y [n, out] bf16. 0, or -1 when out of memory. */
 int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const int32_t* wsum,
                    const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    (void)wsum;
-    int8_rows q;
-    if (make_int8_rows(xb, n, in, NQ, 0, 0, &q)) return -1;
-    int64_t nrb = (n + NQ - 1) / NQ, in4 = (in + 3) / 4;
-    const int32_t* xq = q.xq;
-    const float* sx = q.sx;
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        const int8_t* wb = wq + (size_t)(b * in4 * 4 * OB);
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * NQ, nr = n - j0 < NQ ? n - j0 : NQ;
-            for (int h = 0; h < 2 && 16 * h < width; h++)
-                W8[nr](xq + r * NQ * in4, in4, wb, h, sx + j0, scale, y + j0 * out, out, o0, width, bias);
-        }
-    }
-    free_int8_rows(&q);
-    return 0;
+    int8_call c = {in, out, 0, wq, wsum, scale, y, bias};
+    return run_int8(xb, n, NQ, 0, &c, w8_tile, nthreads);
 }
 
 /* w4a8, N rows x the 16 outputs of half `h` of a block (h = 0: the low nibbles, outputs 0-15; h = 1: the
@@ -257,27 +248,19 @@ typedef void (*w4fn)(const int32_t*, const int32_t*, int64_t, int64_t, const uin
                      const float*, uint16_t*, int64_t, int64_t, int64_t, const float*);
 static const w4fn W4[NQ + 1] = {0, w4_1, w4_2, w4_3};
 
+static void w4_tile(const int8_call* c, const int8_rows* q, int64_t b, int64_t j0, int64_t nr, int64_t o0,
+                    int64_t width) {
+    int64_t in4 = c->in / 4, ng = c->in / c->group;
+    for (int h = 0; h < 2 && 16 * h < width; h++)
+        W4[nr](q->xq + j0 * in4, q->xs + j0 * ng, in4, c->group / 4, (const uint8_t*)c->wq + (size_t)(b * in4 * 64), h,
+               c->scale + (size_t)(b * ng * OB), q->sx + j0, c->y + j0 * c->out, c->out, o0, width, c->bias);
+}
+
 /* x [n, in] bf16 times w4a8-packed weights (as bf16_linear.c: [ceil(out/32)][in/4][16][4] bytes, scales
    [ceil(out/32)][in/G][32] fp32; in a multiple of group, group a multiple of 4) -> y [n, out] bf16.
    0, or -1 when out of memory. */
 int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* scale, int64_t group,
                    int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int8_rows q;
-    if (make_int8_rows(xb, n, in, NQ, 0, group, &q)) return -1;
-    int64_t nrb = (n + NQ - 1) / NQ, in4 = in / 4, g4 = group / 4, ng = in / group;
-    const int32_t *xq = q.xq, *xs = q.xs;
-    const float* sx = q.sx;
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * NQ, nr = n - j0 < NQ ? n - j0 : NQ;
-            for (int h = 0; h < 2 && 16 * h < width; h++)
-                W4[nr](xq + r * NQ * in4, xs + r * NQ * ng, in4, g4, wq + (size_t)(b * in4 * 64), h,
-                       scale + (size_t)(b * ng * OB), sx + j0, y + j0 * out, out, o0, width, bias);
-        }
-    }
-    free_int8_rows(&q);
-    return 0;
+    int8_call c = {in, out, group, wq, NULL, scale, y, bias};
+    return run_int8(xb, n, NQ, 0, &c, w4_tile, nthreads);
 }

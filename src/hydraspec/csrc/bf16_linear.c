@@ -196,26 +196,18 @@ typedef void (*vnfn)(const int32_t*, int64_t, const int8_t*, const int32_t*, con
                      int64_t, int64_t, int64_t, const float*);
 static const vnfn VN[NB + 1] = {0, vn_1, vn_2, vn_3, vn_4, vn_5, vn_6, vn_7, vn_8, vn_9, vn_10, vn_11, vn_12};
 
+static void vn_tile(const int8_call* c, const int8_rows* q, int64_t b, int64_t j0, int64_t nr, int64_t o0,
+                    int64_t width) {
+    int64_t in4 = (c->in + 3) / 4;
+    VN[nr](q->xq + j0 * in4, in4, (const int8_t*)c->wq + (size_t)(b * in4 * 4 * OB), c->wsum, q->sx + j0, c->scale,
+           c->y + j0 * c->out, c->out, o0, width, c->bias);
+}
+
 /* x [n, in] bf16 times w8a8-packed int8 weights -> y [n, out] bf16. 0, or -1 when out of memory. */
 int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, const int32_t* wsum,
                    const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int8_rows q;
-    if (make_int8_rows(xb, n, in, NB, 128, 0, &q)) return -1;
-    int64_t nrb = (n + NB - 1) / NB, in4 = (in + 3) / 4;
-    const int32_t* xq = q.xq;
-    const float* sx = q.sx;
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        const int8_t* wb = wq + (size_t)(b * in4 * 4 * OB);
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-            VN[nr](xq + r * NB * in4, in4, wb, wsum, sx + j0, scale, y + j0 * out, out, o0, width, bias);
-        }
-    }
-    free_int8_rows(&q);
-    return 0;
+    int8_call c = {in, out, 0, wq, wsum, scale, y, bias};
+    return run_int8(xb, n, NB, 128, &c, vn_tile, nthreads);
 }
 
 /* 4-bit weights x int8 activations with AVX512_VNNI ("w4a8", draft models): half the weight bytes of int8
@@ -259,25 +251,17 @@ typedef void (*w4fn)(const int32_t*, const int32_t*, int64_t, int64_t, const uin
                      uint16_t*, int64_t, int64_t, int64_t, const float*);
 static const w4fn W4[NB4 + 1] = {0, w4_1, w4_2, w4_3, w4_4, w4_5, w4_6};
 
+static void w4_tile(const int8_call* c, const int8_rows* q, int64_t b, int64_t j0, int64_t nr, int64_t o0,
+                    int64_t width) {
+    int64_t in4 = c->in / 4, ng = c->in / c->group;
+    W4[nr](q->xq + j0 * in4, q->xs + j0 * ng, in4, c->group / 4, (const uint8_t*)c->wq + (size_t)(b * in4 * 64),
+           c->scale + (size_t)(b * ng * OB), q->sx + j0, c->y + j0 * c->out, c->out, o0, width, c->bias);
+}
+
 /* x [n, in] bf16 times w4a8-packed weights (in a multiple of group, group a multiple of 4) -> y [n, out] bf16.
    0, or -1 when out of memory. */
 int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* scale, int64_t group,
                    int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int8_rows q;
-    if (make_int8_rows(xb, n, in, NB4, 0, group, &q)) return -1;
-    int64_t nrb = (n + NB4 - 1) / NB4, in4 = in / 4, g4 = group / 4, ng = in / group;
-    const int32_t *xq = q.xq, *xs = q.xs;
-    const float* sx = q.sx;
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * NB4, nr = n - j0 < NB4 ? n - j0 : NB4;
-            W4[nr](xq + r * NB4 * in4, xs + r * NB4 * ng, in4, g4, wq + (size_t)(b * in4 * 64),
-                   scale + (size_t)(b * ng * OB), sx + j0, y + j0 * out, out, o0, width, bias);
-        }
-    }
-    free_int8_rows(&q);
-    return 0;
+    int8_call c = {in, out, group, wq, NULL, scale, y, bias};
+    return run_int8(xb, n, NB4, 0, &c, w4_tile, nthreads);
 }

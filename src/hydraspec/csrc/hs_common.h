@@ -117,4 +117,38 @@ static int make_int8_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t nb,
     if (ng) group_code_sums(r->xq, n, in4, nb, group / 4, ng, r->xs);
     return 0;
 }
+
+/* One w8a8 / w4a8 call's arguments (group 0 for w8a8; wsum only where the build needs it) */
+typedef struct {
+    int64_t in, out, group;
+    const void* wq;
+    const int32_t* wsum;
+    const float* scale;
+    uint16_t* y;
+    const float* bias;
+} int8_call;
+
+/* rows j0 .. j0+nr-1 (their codes start at q->xq + j0 * in4) times weight block b (outputs o0 .. o0+width-1) */
+typedef void (*int8_tile)(const int8_call* c, const int8_rows* q, int64_t b, int64_t j0, int64_t nr, int64_t o0,
+                          int64_t width);
+
+/* The int8-activation driver of both builds: quantise the rows (row blocks of nb, code offset, group code
+   sums), then run `tile` for every 32-output weight block and row block, the weight blocks split over
+   the threads. 0, or -1 when out of memory. */
+static int run_int8(const uint16_t* xb, int64_t n, int64_t nb, int offset, const int8_call* c, int8_tile tile,
+                    int nthreads) {
+    int8_rows q;
+    if (make_int8_rows(xb, n, c->in, nb, offset, c->group, &q)) return -1;
+    int64_t nrb = (n + nb - 1) / nb, nblk = (c->out + OB - 1) / OB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t o0 = b * OB, width = c->out - o0 < OB ? c->out - o0 : OB;
+        for (int64_t r = 0; r < nrb; r++) {
+            int64_t j0 = r * nb;
+            tile(c, &q, b, j0, n - j0 < nb ? n - j0 : nb, o0, width);
+        }
+    }
+    free_int8_rows(&q);
+    return 0;
+}
 #endif
