@@ -545,8 +545,8 @@ class FusedRMSNorm(nn.Module):
         w = self.weight
         lib = fused_lib()
         if (lib is not None and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
-                and x.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and x.is_contiguous() and w.is_contiguous() and x.numel()):
+                and x.is_cpu and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and x.is_contiguous() and x.numel()):  # a Parameter is contiguous
             y = torch.empty_like(x)
             lib.hs_rmsnorm(x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
                            self.variance_epsilon, x.dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads())
