@@ -545,6 +545,11 @@ def test_cli_build_tree_draft_model_end_to_end(saved, tmp_path, capsys):
     for key in ("paths", "sizes", "measured_on", "method", "select", "order"):
         assert key in d
     assert {"machine", "dtype", "batch_size", "device"} <= set(d["measured_on"])
+    # no --draft-confidence: the stop is chosen with the tree among the default candidates
+    from hydraspec.treebuild import DEFAULT_STOPS
+
+    assert [s["confidence"] for s in d["stops"]] == list(DEFAULT_STOPS)
+    assert d["drafter"]["confidence"] in DEFAULT_STOPS
     row = d["sizes"][0]
     for key in ("nodes", "expected_tokens_per_step", "step_s", "predicted_tokens_per_s", "measured_tokens_per_s"):
         assert key in row
@@ -648,7 +653,64 @@ def test_time_steps_advances_by_the_accepted_path(tok):
     assert made[1].n_cached == len(PROMPT) + 2 * 4 + 2
 
 
+def test_cli_build_tree_refuses_a_bad_draft_confidence_before_loading(tmp_path, capsys):
+    rc, _, err = _run(capsys, "build-tree", "--model", tmp_path / "m", "--draft-model", tmp_path / "d",
+                      "--draft-confidence", "0.4,1.5", "--prompts", tmp_path / "p.jsonl", "--out", tmp_path / "t.json")
+    assert rc == 2 and "must be in [0, 1)" in err
+
+
 def test_cli_build_tree_refuses_draft_confidence_with_heads(tmp_path, capsys):
     rc, _, err = _run(capsys, "build-tree", "--model", tmp_path / "m", "--heads", tmp_path / "h",
                       "--draft-confidence", "0.4", "--prompts", tmp_path / "p.jsonl", "--out", tmp_path / "t.json")
     assert rc == 2 and "--draft-confidence applies to a --draft-model only" in err
+
+
+# ---- the confidence stop chosen with the tree ------------------------------------------------------
+
+
+def test_stop_candidates_parsing():
+    from hydraspec.treebuild import DEFAULT_STOPS, stop_candidates
+
+    assert stop_candidates(None) == [None]
+    assert stop_candidates("auto") == list(DEFAULT_STOPS)
+    assert stop_candidates("0.4, 0.8,0.4") == [0.4, 0.8]
+    assert stop_candidates(0.5) == [0.5] and stop_candidates([0, 0.9]) == [0.0, 0.9]
+    for bad in ("1", "x", "", [], [-0.1]):
+        with pytest.raises(HydraspecError):
+            stop_candidates(bad)
+
+
+def test_build_tree_grows_and_ranks_a_tree_per_stop(tok):
+    """Several stops: a tree grown and predicted for each, "stops" sums them up, and the chosen stop is
+    recorded. The draft model equals the target but a tiny random model is never 99.9 % sure: without a
+    stop every step accepts the whole 3-level chain (4 tokens), with 0.999 only the first level (2)."""
+    model = tiny.cached_model("llama", "sdpa", 1)
+    res = build_tree(model, tok, prompt_ids=[PROMPT], prompt_names=["p"], max_nodes=3, method="simulate",
+                     select="measure", draft_model=tiny.noisy_copy(model, 0.0), depth=3, max_new_tokens=12,
+                     confirm=6, reps=1, draft_confidence=[0.0, 0.999], log=lambda m: None)
+    by_stop = {s["confidence"]: s for s in res["stops"]}
+    assert set(by_stop) == {0.0, 0.999}
+    assert max(r["expected_tokens_per_step"] for r in res["sizes"]) == (4.0 if res["drafter"]["confidence"] == 0.0
+                                                                       else 2.0)
+    assert by_stop[0.999]["expected_tokens_per_step"] == 2.0 and by_stop[0.999]["drafted_nodes"] == 1.0
+    # all six (stop, size) pairs were confirmed; the recorded stop and tree are the fastest measured
+    chosen = next(r for r in res["sizes"] if r["nodes"] == res["nodes"])
+    assert all(s["measured_tokens_per_s"] <= chosen["measured_tokens_per_s"] for s in res["stops"])
+    assert res["default"]["tree"] == "the adaptive-length chain" and "confidence" not in res["default"]
+
+
+def test_a_tree_json_carries_its_stop_into_decoding(tmp_path):
+    from hydraspec.tree import tree_stop
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    spec = {"paths": [[0], [0, 0]], "drafter": {"kind": "draft", "confidence": 0.7}}
+    f = tmp_path / "tree.json"
+    f.write_text(json.dumps(spec))
+    assert tree_stop(f) == tree_stop(str(f)) == tree_stop(spec) == 0.7
+    assert DraftModelDrafter(model, tree=str(f)).confidence == 0.7
+    assert DraftModelDrafter(model, tree=spec, confidence=0.2).confidence == 0.2  # asked for: wins
+    assert DraftModelDrafter(model, tree=[[0], [0, 0]]).confidence == 0.0  # plain paths: no stop
+    assert tree_stop({"paths": [[0]], "drafter": {"kind": "hydra"}}) is None
+    assert tree_stop("dynamic") is None
+    with pytest.raises(HydraspecError, match=r"drafter.confidence must be in \[0, 1\)"):
+        tree_stop({"paths": [[0]], "drafter": {"kind": "draft", "confidence": 2}})

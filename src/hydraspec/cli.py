@@ -114,10 +114,11 @@ def build_drafter(args, target_tok, draft=None, model=None):
             if is_dynamic(args):
                 return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                                     **dynamic_options(args))
-            from .tree import load_tree_spec
+            from .tree import load_tree_spec, tree_stop
 
+            conf = args.draft_confidence if args.draft_confidence is not None else tree_stop(args.tree)
             return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                                tree=load_tree_spec(args.tree), confidence=args.draft_confidence)
+                                tree=load_tree_spec(args.tree), confidence=conf)
         return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                             k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
                             confidence=args.draft_confidence, **leaves_option(args, widths))
@@ -312,7 +313,7 @@ def cmd_build_tree(args) -> int:
     from .bench.prompts import load_questions
     from .generator import SpeculativeGenerator
     from .models import load_model
-    from .treebuild import build_tree, plot_tree, save_tree
+    from .treebuild import build_tree, plot_tree, save_tree, stop_candidates
 
     if (args.heads is None) == (args.draft_model is None):
         raise HydraspecError("build-tree needs exactly one of --heads DIR and --draft-model")
@@ -320,6 +321,8 @@ def cmd_build_tree(args) -> int:
         raise HydraspecError("--draft-confidence applies to a --draft-model only")
     if args.max_nodes < 1 or args.max_new_tokens < 1:
         raise HydraspecError("--max-nodes and --max-new-tokens must be at least 1")
+    if args.draft_model:
+        stop_candidates(args.draft_confidence or "auto")  # a bad value fails before any loading
     questions = load_questions(args.prompts, limit=args.limit, skip=args.skip)
     if not questions:
         raise HydraspecError("no calibration prompts in " + ", ".join(args.prompts))
@@ -347,7 +350,7 @@ def cmd_build_tree(args) -> int:
                         depth=args.max_depth, max_rank=args.max_rank, max_new_tokens=args.max_new_tokens,
                         confirm=args.confirm, reps=args.reps, log=log,
                         default_paths=(heads_cfg or {}).get("default_tree"),
-                        draft_confidence=args.draft_confidence,
+                        draft_confidence=(args.draft_confidence or "auto") if args.draft_model else None,
                         batch_sizes=parse_batch_sizes(args.batch_sizes) if args.batch_sizes else None)
     result["model"] = args.model
     result["drafter"]["source"] = args.heads or args.draft_model
@@ -452,9 +455,11 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--heads", help="trained Medusa/Hydra heads directory")
     src.add_argument("--draft-model", help="draft model sharing the target's tokenizer (its top-k tree)")
     add_draft_quant_arg(b)
-    b.add_argument("--draft-confidence", type=float, default=None,
-                   help="with --draft-model: time and confirm the trees with this early stop, as generate/bench "
-                        "--draft-confidence would decode with them (default: off for static trees)")
+    b.add_argument("--draft-confidence", default=None, metavar="P[,P...]|auto",
+                   help="with --draft-model: the early stop (the draft's top probability below P ends a branch) "
+                        "to grow, time and confirm the trees with; several, or 'auto' (0, 0.4, 0.6, 0.8, 0.9; "
+                        "the default with --draft-model): choose the stop with the tree. The tree.json records "
+                        "it and generate/bench use it with the tree unless given --draft-confidence")
     b.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl",
                    help="calibration prompts (Spec-Bench jsonl, first turns); keep them apart from evaluation prompts")
     b.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")

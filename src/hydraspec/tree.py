@@ -132,26 +132,45 @@ def parents_from_paths(paths: list[list[int]]) -> tuple[tuple[int, ...], tuple[i
 TREE_FORMAT = "hydraspec-tree"
 
 
+def _read_spec(path_or_json):
+    """The parsed spec: a dict (tree.json) or a list of paths, from any of load_tree_spec's inputs."""
+    if isinstance(path_or_json, dict):
+        return path_or_json
+    if isinstance(path_or_json, (list, tuple)):
+        return [list(p) if isinstance(p, (list, tuple)) else p for p in path_or_json]
+    text = str(path_or_json)
+    p = Path(text)
+    try:
+        is_file = p.is_file()
+    except OSError:  # e.g. a JSON string too long to be a file name
+        is_file = False
+    try:
+        return json.loads(p.read_text()) if is_file else json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HydraspecError(f"tree spec {text[:80]!r} is neither a JSON file nor JSON: {e}") from None
+    except OSError as e:
+        raise HydraspecError(f"cannot read tree spec '{text}': {e.strerror or e}") from None
+
+
+def tree_stop(path_or_json) -> float | None:
+    """The draft-model confidence stop a tree.json was chosen with (drafter.confidence, written by
+    `hydraspec build-tree --draft-model`), or None: a plain list of paths, a heads tree, no stop recorded."""
+    if isinstance(path_or_json, str) and path_or_json.strip().lower() == "dynamic":
+        return None
+    data = _read_spec(path_or_json)
+    drafter = data.get("drafter") if isinstance(data, dict) else None
+    if not isinstance(drafter, dict) or drafter.get("kind") != "draft" or drafter.get("confidence") is None:
+        return None
+    c = drafter["confidence"]
+    if not isinstance(c, (int, float)) or not 0 <= c < 1:
+        raise HydraspecError(f"tree spec: drafter.confidence must be in [0, 1), got {c!r}")
+    return float(c)
+
+
 def load_tree_spec(path_or_json, max_depth: int | None = None) -> list[list[int]]:
     """A tree spec from a list of paths, a dict (tree.json: its "paths"), a JSON file or a JSON string.
     Validates it (see parents_from_paths) and, with max_depth, refuses paths deeper than that."""
-    if isinstance(path_or_json, dict):
-        data = path_or_json
-    elif isinstance(path_or_json, (list, tuple)):
-        data = [list(p) if isinstance(p, (list, tuple)) else p for p in path_or_json]
-    else:
-        text = str(path_or_json)
-        p = Path(text)
-        try:
-            is_file = p.is_file()
-        except OSError:  # e.g. a JSON string too long to be a file name
-            is_file = False
-        try:
-            data = json.loads(p.read_text()) if is_file else json.loads(text)
-        except json.JSONDecodeError as e:
-            raise HydraspecError(f"tree spec {text[:80]!r} is neither a JSON file nor JSON: {e}") from None
-        except OSError as e:
-            raise HydraspecError(f"cannot read tree spec '{text}': {e.strerror or e}") from None
+    data = _read_spec(path_or_json)
     if isinstance(data, dict):
         data = data.get("paths", data.get("tree"))
         if data is None:

@@ -148,30 +148,45 @@ def draft_ranks(draft_model, seqs, depth: int, max_rank: int, confidence: float 
     return draft_ranks_and_levels(draft_model, seqs, depth, max_rank, confidence)[0]
 
 
-@torch.inference_mode()
 def draft_ranks_and_levels(draft_model, seqs, depth: int, max_rank: int,
                            confidence: float | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """draft_ranks, and per sequence the number of levels drafted at each position before the
     confidence stop (what the draft model's work per step depends on; the engine trims drafts to its
     token budget only after drafting, so the budget does not shorten them)."""
+    return ranks_and_levels(draft_scores(draft_model, seqs), seqs, depth, max_rank, confidence)
+
+
+@torch.inference_mode()
+def draft_scores(draft_model, seqs) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per sequence S, from one forward of the draft model over it: (R, top) with R[j] the draft's rank
+    of S[j + 1] after S[.. j] and top[j] the log of its top probability there. Everything the replay
+    needs for any tree depth and any confidence stop."""
     from .drafters.draft_model import log_top_prob
 
-    out, levels = [], []
+    out = []
     dev = draft_model.device
-    for seq, plen in seqs:
+    for seq, _ in seqs:
+        s = torch.tensor(seq, device=dev)
+        lg = draft_model(input_ids=s[None], use_cache=False).logits[0].float()
+        out.append((_rank_of(lg[:-1], s[1:]).cpu().numpy(), log_top_prob(lg).cpu().numpy()))
+    return out
+
+
+def ranks_and_levels(scores, seqs, depth: int, max_rank: int,
+                     confidence: float | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """draft_ranks_and_levels from draft_scores (so several stops cost one pass of the draft model)."""
+    out, levels = [], []
+    for (seq, plen), (R, top) in zip(seqs, scores):
         ps = np.array(list(_positions(len(seq), plen)), dtype=np.int64)
         if not len(ps):
             out.append(np.zeros((0, depth), dtype=np.int64))
             levels.append(np.zeros(0, dtype=np.int64))
             continue
-        s = torch.tensor(seq, device=dev)
-        lg = draft_model(input_ids=s[None], use_cache=False).logits[0].float()
-        R = _rank_of(lg[:-1], s[1:]).cpu().numpy()  # R[j]: rank of S[j + 1] after S[.. j]
         idx = np.minimum(ps[:, None] + 1 + np.arange(depth)[None], len(R) - 1)
         r = np.minimum(R[idx], max_rank)
         stop = np.zeros(r.shape, dtype=bool)
         if confidence:
-            unsure = log_top_prob(lg).cpu().numpy()[idx] < np.log(confidence)
+            unsure = top[idx] < np.log(confidence)
             unsure[:, 0] = False  # the chain always drafts its first token
             stop = np.cumsum(unsure, axis=1) > 0
         r[stop | _past_the_end(ps, len(seq), depth)] = max_rank
@@ -469,13 +484,58 @@ def measure_throughput(model, tokenizer, drafter, prompt_ids: list[list[int]], m
 
 # ---- the whole build ------------------------------------------------------------------------------
 
+# confidence stops build-tree tries for a draft model unless told one: off, then stricter and stricter
+DEFAULT_STOPS = (0.0, 0.4, 0.6, 0.8, 0.9)
+
+
+def stop_candidates(spec) -> list:
+    """The draft model's confidence stops to choose among: None (off, as before), a number, a list of
+    numbers, or "auto" (DEFAULT_STOPS). A stop is a probability in [0, 1); 0 is off."""
+    if spec is None:
+        return [None]
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "auto":
+            return list(DEFAULT_STOPS)
+        try:
+            spec = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise HydraspecError(f"--draft-confidence takes a probability, a comma-separated list of them or "
+                                 f"'auto', got {spec!r}") from None
+    values = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    if not values:
+        raise HydraspecError("no draft confidence stop given")
+    for v in values:
+        if not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise HydraspecError(f"a draft confidence stop must be in [0, 1), got {v!r}")
+    return list(dict.fromkeys(float(v) for v in values))
+
+
+def _stop_label(c) -> str:
+    return "" if c is None else (" (no stop)" if c == 0 else f" (stop {c:g})")
+
+
+def _stop_summary(stops, sizes_of, grown) -> list[dict]:
+    """Per confidence stop tried: its best tree by predicted tokens/s (or the largest without timing)."""
+    out = []
+    for c in stops:
+        rows = sizes_of[c]
+        timed = [r for r in rows if r["predicted_tokens_per_s"] is not None]
+        r = max(timed, key=lambda r: r["predicted_tokens_per_s"]) if timed else rows[-1]
+        out.append({"confidence": c, "nodes": r["nodes"], "depth": r["depth"],
+                    "expected_tokens_per_step": r["expected_tokens_per_step"],
+                    **{k: r[k] for k in ("drafted_nodes", "predicted_tokens_per_s", "measured_tokens_per_s")
+                       if r.get(k) is not None}})
+    return out
+
+
 
 def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: list[str], max_nodes: int = 100,
                method: str = "simulate", select: str = "measure", heads=None, draft_model=None,
                depth: int | None = None,
                max_rank: int = 10, max_new_tokens: int = 128, confirm: int = 3, reps: int = 5, preselect: int = 8,
                batch_sizes: list[int] | None = None, default_paths: list[list[int]] | None = None,
-               draft_confidence: float | None = None, log=print) -> dict:
+               draft_confidence: float | list[float] | str | None = None, log=print) -> dict:
     """Build a tree for `heads` (Medusa / Hydra) or `draft_model` (its top-k tree); returns the tree.json
     dict. prompt_names are recorded as the calibration prompts used. With select="measure" and
     `batch_sizes`, the verify step is also timed with B rows for every B > 1 and a tree is chosen per
@@ -485,7 +545,10 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     of the heads or the draft model's adaptive chain) is measured the same way and reported beside the
     selected tree (result "default"). `draft_confidence`: the draft model's early stop, applied to the
     timed and confirmed trees as `--draft-confidence` applies it in decoding (None: off for static
-    trees, the chain's 0.4 for the default chain)."""
+    trees, the chain's 0.4 for the default chain). Several stops (a list, or "auto" for DEFAULT_STOPS):
+    trees are grown, predicted and ranked for each; the confirmed (stop, size) with the best measured
+    tokens/s wins, its stop is recorded as drafter.confidence (decoding with the tree uses it unless told
+    another), the default chain keeps its own stop, and "stops" sums up each stop's best tree."""
     if (heads is None) == (draft_model is None):
         raise HydraspecError("build-tree needs exactly one drafter: heads or a draft model")
     if method not in ("medusa", "simulate"):
@@ -504,84 +567,103 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     if depth < 1:
         raise HydraspecError("--max-depth must be at least 1")
 
+    stops = stop_candidates(draft_confidence) if heads is None else [None]
     t0 = time.perf_counter()
     seqs = greedy_sequences(model, tokenizer, prompt_ids, max_new_tokens)
     log(f"calibration: {len(seqs)} greedy continuations ({sum(len(s) - p for s, p in seqs)} tokens) "
         f"in {time.perf_counter() - t0:.1f} s")
-    levels = None  # drafted levels per position: only a draft model's confidence stop makes them vary
-    if heads is not None:
-        ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank)
-        kind = heads.kind
-    else:
-        ranks, levels = draft_ranks_and_levels(draft_model, seqs, depth, max_rank, confidence=draft_confidence)
-        levels = levels if draft_confidence else None
-        kind = "draft"
-    cal = Calibration(ranks, depth, max_rank, list(prompt_names), levels=levels)
-    if cal.positions == 0:
-        raise HydraspecError("no calibration positions: every greedy continuation is shorter than 2 tokens; "
-                             "raise --max-new-tokens or use other prompts")
-    a = acceptance_table(cal)
-    if method == "medusa":
-        order, exp = grow_medusa(a, max_nodes)
-    else:
-        order, exp = grow_simulate(cal, max_nodes, preselect=preselect)
-    N = len(order)
-    log(f"{method}: {N} nested trees from {cal.positions} positions; expected tokens/step "
-        f"T1 {exp[0]:.3f}, T{N} {exp[-1]:.3f}")
+    scores = draft_scores(draft_model, seqs) if heads is None else None
+    kind = heads.kind if heads is not None else "draft"
+    grown = {}  # confidence stop -> (Calibration, growth order, expected tokens per step of T_1..T_N)
+    for c in stops:
+        if heads is not None:
+            cal = Calibration(head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank), depth,
+                              max_rank, list(prompt_names))
+        else:  # levels only vary with a stop
+            ranks, levels = ranks_and_levels(scores, seqs, depth, max_rank, confidence=c)
+            cal = Calibration(ranks, depth, max_rank, list(prompt_names), levels=levels if c else None)
+        if cal.positions == 0:
+            raise HydraspecError("no calibration positions: every greedy continuation is shorter than 2 tokens; "
+                                 "raise --max-new-tokens or use other prompts")
+        order, exp = grow_medusa(acceptance_table(cal), max_nodes) if method == "medusa" else \
+            grow_simulate(cal, max_nodes, preselect=preselect)
+        grown[c] = (cal, order, exp)
+        log(f"{method}{_stop_label(c)}: {len(order)} nested trees from {cal.positions} positions; expected "
+            f"tokens/step T1 {exp[0]:.3f}, T{len(order)} {exp[-1]:.3f}")
 
-    def make(paths, stop: bool = True):  # paths None: the drafter's default; stop=False: whole trees
+    def make(paths, stop):  # paths None: the drafter's default
         from .drafters import make_drafter
 
         if heads is not None:
             return make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(), tree=paths)
-        return make_drafter("draft", draft_model=draft_model, tree=paths,
-                            confidence=draft_confidence if stop else None)
+        return make_drafter("draft", draft_model=draft_model, tree=paths, confidence=stop)
 
-    sizes = [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
-              "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
-              "measured_tokens_per_s": None} for n in range(1, N + 1)]
-    best = N
+    def size_rows(c):
+        cal, order, exp = grown[c]
+        return [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
+                 "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
+                 "measured_tokens_per_s": None} for n in range(1, len(order) + 1)]
+
+    sizes_of = {c: size_rows(c) for c in stops}
+    best_stop, best = stops[0], len(grown[stops[0]][1])
     by_batch: dict[str, int] = {}
+    timings: dict = {}  # growth order -> (sampled sizes, verify times, draft times): shared by equal orders
     if select == "measure":
-        sample = sample_sizes(N)
-        seq, plen = max(seqs, key=lambda x: len(x[0]))
-        # With the confidence stop, how much a draft model drafts per step depends on the text, so timing
-        # it on one sequence says little: time whole trees (no stop) and charge each T_n the draft time of
-        # as many nodes as the replay shows it drafting per step on average.
-        timing_make = make if cal.levels is None else lambda paths: make(paths, stop=False)
-        timed = time_steps(model, timing_make, order, seq, plen, sample, reps=reps, want_hidden=heads is not None,
-                           accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
-        vs, ds = [timed[n][0] for n in sample], [timed[n][1] for n in sample]
-        for row in sizes:
-            n = row["nodes"]
-            drafted = drafted_nodes(cal, order[:n])
-            if cal.levels is not None:
-                row["drafted_nodes"] = round(drafted, 3)
-            v, d = interpolate(sample, vs, n), interpolate(sample, ds, drafted)
-            row.update(verify_s=round(v, 6), draft_s=round(d, 6), step_s=round(v + d, 6),
-                       predicted_tokens_per_s=round(row["expected_tokens_per_step"] / (v + d), 4),
-                       timed=n in timed)
-        ranked = sorted(sizes, key=lambda r: -r["predicted_tokens_per_s"])[: max(1, confirm)]
-        for row in ranked:
-            row.update(measure_throughput(model, tokenizer, make(bfs_paths(order[: row["nodes"]])), prompt_ids,
+        for c in stops:
+            cal, order, exp = grown[c]
+            N = len(order)
+            sample = sample_sizes(N)
+            seq, plen = max(seqs, key=lambda x: len(x[0]))
+            key = (tuple(map(tuple, order)), N)
+            if key not in timings:
+                # With the confidence stop, how much a draft model drafts per step depends on the text, so
+                # timing it on one sequence says little: time whole trees (no stop) and charge each T_n the
+                # verify and draft time of as many nodes as the replay shows it drafting per step on average.
+                timed = time_steps(model, lambda paths: make(paths, None if heads is not None else 0.0), order,
+                                   seq, plen, sample, reps=reps, want_hidden=heads is not None,
+                                   accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
+                timings[key] = (sample, [timed[n][0] for n in sample], [timed[n][1] for n in sample],
+                                set(timed))
+            sample, vs, ds, was_timed = timings[key]
+            for row in sizes_of[c]:
+                n = row["nodes"]
+                drafted = drafted_nodes(cal, order[:n])
+                if cal.levels is not None:
+                    row["drafted_nodes"] = round(drafted, 3)
+                v, d = interpolate(sample, vs, drafted), interpolate(sample, ds, drafted)
+                row.update(verify_s=round(v, 6), draft_s=round(d, 6), step_s=round(v + d, 6),
+                           predicted_tokens_per_s=round(row["expected_tokens_per_step"] / (v + d), 4),
+                           timed=n in was_timed)
+        candidates = sorted(((c, row) for c in stops for row in sizes_of[c]),
+                            key=lambda cr: -cr[1]["predicted_tokens_per_s"])[: max(1, confirm)]
+        for c, row in candidates:
+            order = grown[c][1]
+            row.update(measure_throughput(model, tokenizer, make(bfs_paths(order[: row["nodes"]]), c), prompt_ids,
                                           max_new_tokens))
-            log(f"  T{row['nodes']}: predicted {row['predicted_tokens_per_s']:.2f} tokens/s and "
+            log(f"  T{row['nodes']}{_stop_label(c)}: predicted {row['predicted_tokens_per_s']:.2f} tokens/s and "
                 f"{row['expected_tokens_per_step']:.2f} tokens/step; measured {row['measured_tokens_per_s']:.2f} "
                 f"tokens/s ({row['measured_decode_tokens_per_s']:.2f} after the prefill) and "
                 f"{row['measured_tokens_per_step']:.2f} tokens/step")
-        best = max(ranked, key=lambda r: r["measured_tokens_per_s"])["nodes"]
+        best_stop, chosen = max(candidates, key=lambda cr: cr[1]["measured_tokens_per_s"])
+        best = chosen["nodes"]
+        # the default: the heads' tree, or the draft model's adaptive chain with its own stop unless one
+        # stop was asked for
+        base_stop = stops[0] if heads is None and len(stops) == 1 else None
         baseline = {"tree": default_paths if default_paths is not None else
                     ("the heads' built-in default tree" if heads is not None else "the adaptive-length chain"),
-                    **measure_throughput(model, tokenizer, make(default_paths), prompt_ids, max_new_tokens)}
-        chosen = next(r for r in sizes if r["nodes"] == best)
+                    **({"confidence": base_stop} if base_stop is not None else {}),
+                    **measure_throughput(model, tokenizer, make(default_paths, base_stop), prompt_ids,
+                                         max_new_tokens)}
         faster = baseline["measured_tokens_per_s"] > chosen["measured_tokens_per_s"]
         log(f"  default drafter: measured {baseline['measured_tokens_per_s']:.2f} tokens/s, "
             f"{baseline['measured_tokens_per_step']:.2f} tokens/step"
             + (f" -- faster than the selected T{best} ({chosen['measured_tokens_per_s']:.2f}) on these prompts: "
                "the default is the better choice here" if faster else ""))
+        sizes, (cal, order, exp) = sizes_of[best_stop], grown[best_stop]
         for B in sorted({int(b) for b in batch_sizes or []} - {1}):
             if B < 1:
                 raise HydraspecError(f"batch sizes must be positive, got {B}")
+            sample = sample_sizes(len(order))
             vb = time_batch_verify(model, order, seq, plen, sample, B, reps=max(1, reps // 2))
             vbs = [vb[n] for n in sample]
             for row in sizes:
@@ -594,6 +676,8 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
             by_batch[str(B)] = pick["nodes"]
             log(f"  batch {B}: T{pick['nodes']} predicted {pick['by_batch'][str(B)]['predicted_tokens_per_s']:.2f} "
                 f"tokens/s over the batch")
+    sizes, (cal, order, exp) = sizes_of[best_stop], grown[best_stop]
+    a = acceptance_table(cal)
     winner = bfs_paths(order[:best])
     return {
         "format": TREE_FORMAT, "version": 1,
@@ -605,10 +689,12 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                  "selection criterion); measured_decode_tokens_per_s: the same without the prefill time, "
                  "comparable to predicted_tokens_per_s; measured_tokens_per_step: its mean accepted length; "
                  "drafted_nodes (draft model with a confidence stop): nodes drafted per step in the replay, "
-                 "draft_s is the timed whole-tree draft time at that many nodes",
+                 "verify_s and draft_s are the timed whole-tree times at that many nodes; drafter.confidence: the "
+                 "stop the tree was chosen with, used when decoding with it; stops: each stop tried, with its "
+                 "best tree",
         "method": method, "select": select,
         "drafter": {"kind": kind, "depth": depth, "max_rank": max_rank,
-                    **({"confidence": draft_confidence} if heads is None and draft_confidence is not None else {}),
+                    **({"confidence": best_stop} if heads is None and best_stop is not None else {}),
                     **({"num_heads": heads.num_heads} if heads is not None else {})},
         "order": order,
         "acceptance": [[round(float(x), 5) for x in row] for row in a],
@@ -616,6 +702,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
         "measured_on": machine_info(model),
         **({"by_batch": {"1": winner, **{b: bfs_paths(order[:n]) for b, n in by_batch.items()}}} if by_batch else {}),
         **({"default": baseline} if select == "measure" else {}),
+        **({"stops": _stop_summary(stops, sizes_of, grown)} if len(stops) > 1 else {}),
         "calibration": {"prompts": list(prompt_names), "sequences": len(seqs), "positions": cal.positions,
                         "max_new_tokens": max_new_tokens},
     }

@@ -192,6 +192,9 @@ def _engine(method: str):
 
             leaves = leaves_option(a)  # refuses leaves with a tree
             if getattr(a, "tree", None):
+                from ..tree import tree_stop
+
+                conf = conf if conf is not None else tree_stop(a.tree)  # the stop a tree.json was chosen with
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
                                        confidence=conf, **_tree_options(a))
             else:

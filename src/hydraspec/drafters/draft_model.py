@@ -72,11 +72,13 @@ class DraftModelDrafter(Drafter):
         self.leaf_nodes: set[int] = set()  # indices of the last proposal's runner-up leaves
         self.tree_parents = None
         if tree is not None:
-            from ..tree import load_tree_spec, parents_from_paths
+            from ..tree import load_tree_spec, parents_from_paths, tree_stop
 
             if widths:
                 raise HydraspecError("give a draft tree either as widths or as paths, not both")
             self.tree_paths = load_tree_spec(tree)
+            if confidence is None:  # a tree.json from build-tree carries the stop it was chosen with
+                confidence = tree_stop(tree)
             self.tree_parents, self.tree_ranks = parents_from_paths(self.tree_paths)
             dynamic = False
         self.widths = list(widths) if widths else None
