@@ -754,7 +754,9 @@ def plot_tree(result: dict, path) -> None:
         ax.axvline(result["nodes"], color="grey", linestyle=":")  # the chosen tree
     axes[2].xaxis.get_major_locator().set_params(integer=True)
     mo = result.get("measured_on", {})
-    fig.suptitle(f"{result['method']} tree, {mo.get('machine', '?')}, {mo.get('dtype', '?')}", fontsize=9)
+    stop = (result.get("drafter") or {}).get("confidence")
+    stop = "" if stop is None else (", no draft stop" if stop == 0 else f", draft stop {stop:g}")
+    fig.suptitle(f"{result['method']} tree{stop}, {mo.get('machine', '?')}, {mo.get('dtype', '?')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
