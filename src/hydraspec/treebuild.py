@@ -26,7 +26,10 @@ Two ways to grow nested trees T_1 ⊂ T_2 ⊂ ... ⊂ T_N, one node at a time:
 
 `--select measure` then times a verify step and the drafter's step for a few tree sizes on the actual
 device / dtype, predicts tokens/s(n) = E[tokens per step](T_n) / step_time(n), confirms the best few
-by generating on the calibration prompts and keeps the fastest.
+by generating on the calibration prompts and keeps the fastest. For a draft model it does so for
+several confidence stops (the draft's top probability below the stop ends a branch): each stop has its
+own replay and its own nested trees, and the (stop, size) pair measured fastest wins, its stop recorded
+in tree.json for decoding.
 """
 from __future__ import annotations
 
