@@ -114,11 +114,8 @@ def build_drafter(args, target_tok, draft=None, model=None):
             if is_dynamic(args):
                 return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                                     **dynamic_options(args))
-            from .tree import load_tree_spec, tree_stop
-
-            conf = args.draft_confidence if args.draft_confidence is not None else tree_stop(args.tree)
             return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                                tree=load_tree_spec(args.tree), confidence=conf)
+                                tree=args.tree, confidence=args.draft_confidence)  # a tree.json brings its stop
         return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                             k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
                             confidence=args.draft_confidence, **leaves_option(args, widths))

@@ -610,24 +610,22 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     sizes_of = {c: size_rows(c) for c in stops}
     best_stop, best = stops[0], len(grown[stops[0]][1])
     by_batch: dict[str, int] = {}
-    timings: dict = {}  # growth order -> (sampled sizes, verify times, draft times): shared by equal orders
+    timings: dict = {}  # growth order -> (verify times, draft times) at its sampled sizes: shared by equal orders
     if select == "measure":
+        seq, plen = max(seqs, key=lambda x: len(x[0]))
         for c in stops:
             cal, order, exp = grown[c]
-            N = len(order)
-            sample = sample_sizes(N)
-            seq, plen = max(seqs, key=lambda x: len(x[0]))
-            key = (tuple(map(tuple, order)), N)
+            sample = sample_sizes(len(order))
+            key = tuple(map(tuple, order))
             if key not in timings:
                 # With the confidence stop, how much a draft model drafts per step depends on the text, so
                 # timing it on one sequence says little: time whole trees (no stop) and charge each T_n the
                 # verify and draft time of as many nodes as the replay shows it drafting per step on average.
-                timed = time_steps(model, lambda paths: make(paths, None if heads is not None else 0.0), order,
-                                   seq, plen, sample, reps=reps, want_hidden=heads is not None,
+                timed = time_steps(model, lambda paths: make(paths, 0.0), order, seq, plen, sample, reps=reps,
+                                   want_hidden=heads is not None,
                                    accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
-                timings[key] = (sample, [timed[n][0] for n in sample], [timed[n][1] for n in sample],
-                                set(timed))
-            sample, vs, ds, was_timed = timings[key]
+                timings[key] = ([timed[n][0] for n in sample], [timed[n][1] for n in sample])
+            vs, ds = timings[key]
             for row in sizes_of[c]:
                 n = row["nodes"]
                 drafted = drafted_nodes(cal, order[:n])
@@ -636,7 +634,7 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
                 v, d = interpolate(sample, vs, drafted), interpolate(sample, ds, drafted)
                 row.update(verify_s=round(v, 6), draft_s=round(d, 6), step_s=round(v + d, 6),
                            predicted_tokens_per_s=round(row["expected_tokens_per_step"] / (v + d), 4),
-                           timed=n in was_timed)
+                           timed=n in sample)
         candidates = sorted(((c, row) for c in stops for row in sizes_of[c]),
                             key=lambda cr: -cr[1]["predicted_tokens_per_s"])[: max(1, confirm)]
         for c, row in candidates:
@@ -662,20 +660,20 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
             f"{baseline['measured_tokens_per_step']:.2f} tokens/step"
             + (f" -- faster than the selected T{best} ({chosen['measured_tokens_per_s']:.2f}) on these prompts: "
                "the default is the better choice here" if faster else ""))
-        sizes, (cal, order, exp) = sizes_of[best_stop], grown[best_stop]
+        rows, border = sizes_of[best_stop], grown[best_stop][1]
         for B in sorted({int(b) for b in batch_sizes or []} - {1}):
             if B < 1:
                 raise HydraspecError(f"batch sizes must be positive, got {B}")
-            sample = sample_sizes(len(order))
-            vb = time_batch_verify(model, order, seq, plen, sample, B, reps=max(1, reps // 2))
+            sample = sample_sizes(len(border))
+            vb = time_batch_verify(model, border, seq, plen, sample, B, reps=max(1, reps // 2))
             vbs = [vb[n] for n in sample]
-            for row in sizes:
+            for row in rows:
                 n = row["nodes"]
                 v = interpolate(sample, vbs, n)
                 row.setdefault("by_batch", {})[str(B)] = {
                     "verify_s": round(v, 6),
                     "predicted_tokens_per_s": round(B * row["expected_tokens_per_step"] / (v + row["draft_s"]), 4)}
-            pick = max(sizes, key=lambda r: r["by_batch"][str(B)]["predicted_tokens_per_s"])
+            pick = max(rows, key=lambda r: r["by_batch"][str(B)]["predicted_tokens_per_s"])
             by_batch[str(B)] = pick["nodes"]
             log(f"  batch {B}: T{pick['nodes']} predicted {pick['by_batch'][str(B)]['predicted_tokens_per_s']:.2f} "
                 f"tokens/s over the batch")

@@ -192,9 +192,6 @@ def _engine(method: str):
 
             leaves = leaves_option(a)  # refuses leaves with a tree
             if getattr(a, "tree", None):
-                from ..tree import tree_stop
-
-                conf = conf if conf is not None else tree_stop(a.tree)  # the stop a tree.json was chosen with
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
                                        confidence=conf, **_tree_options(a))
             else:
@@ -208,14 +205,16 @@ def _engine(method: str):
 
 
 def _tree_options(a, max_depth: int | None = None) -> dict:
-    """--tree as make_drafter options: 'dynamic' with its sizes, or validated rank paths (tree.json)."""
+    """--tree as make_drafter options: 'dynamic' with its sizes, or the tree spec as given (a tree.json
+    carries more than its paths, e.g. a draft model's stop), validated here."""
     from ..tree import load_tree_spec
 
     spec = a.tree
     if isinstance(spec, str) and spec.strip().lower() == "dynamic":
         return {"tree": "dynamic", "tree_nodes": getattr(a, "tree_nodes", None),
                 "tree_depth": getattr(a, "tree_depth", None), "tree_topk": getattr(a, "tree_topk", None)}
-    return {"tree": load_tree_spec(spec, max_depth=max_depth)}
+    load_tree_spec(spec, max_depth=max_depth)
+    return {"tree": spec}
 
 
 def heads_variant(directory) -> str | None:
