@@ -9,8 +9,8 @@ import time
 
 from .errors import HydraspecError
 
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+from .models import DEVICES, DTYPES
+from .options import add_draft_quant_arg, add_quant_arg, add_verify_budget_arg
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
@@ -24,22 +24,9 @@ def add_model_args(p) -> None:
     p.add_argument("--model", required=True, help="offline name (see `hydraspec models list`), HF directory, .gguf file or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
+    add_quant_arg(p)
     p.add_argument("--no-prepack", action="store_true",
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.kernels)")
-
-
-def add_draft_quant_arg(p) -> None:
-    p.add_argument("--draft-quant", choices=["none", "int8", "w8a8", "w4a8"], default="none",
-                   help="hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads); w8a8: "
-                        "int8 weights and activations, multiplied as integers (AVX512_VNNI, or AVX2; less "
-                        "arithmetic); w4a8: 4-bit weights (groups of 64 inputs) and int8 activations (half the "
-                        "bytes of int8); the output stays the target's")
-
-
-def add_verify_budget_arg(p) -> None:
-    p.add_argument("--verify-budget", type=int, metavar="N",
-                   help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
-                        "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
 
 
 def add_method_args(p) -> None:
@@ -184,7 +171,7 @@ def cmd_generate(args) -> int:
     if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant) \
         if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
@@ -246,7 +233,7 @@ def cmd_train_heads(args) -> int:
 
         pairs += module_prompts(limit=args.docstring_prompts)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     out = args.out
     data = args.data or os.path.join(out, "answers.jsonl")
     if reuse:
@@ -324,7 +311,7 @@ def cmd_build_tree(args) -> int:
     if not questions:
         raise HydraspecError("no calibration prompts in " + ", ".join(args.prompts))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     heads = draft = heads_cfg = None
     if args.heads:
         from .heads import load_heads
@@ -441,7 +428,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="disk for the base model's hidden states (ANSWERS.base_cache/ beside the --data file), "
                         "kept from data generation and reused by every epoch and training; sequences past the "
                         "bound are recomputed (0 = no cache)")
-    t.set_defaults(func=cmd_train_heads)
+    t.set_defaults(func=cmd_train_heads, quant="none")  # heads train on the dequantized base
 
     b = sub.add_parser("build-tree", help="grow a token tree for heads or a draft model from calibration data",
                        description="Measure how often the drafter's ranked proposals are the target's greedy "

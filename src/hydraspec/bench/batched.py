@@ -73,7 +73,7 @@ def hf_batch(model, eos: list[int], pad: int, prompts: list[list[int]], max_new_
 
 
 def run_batch_bench(args, loader=None) -> int:
-    from .runner import _default_loader, _split_list, check_args
+    from .runner import _split_list, check_args, default_loader
     from .prompts import load_questions
 
     methods = parse_methods(args.methods)
@@ -92,7 +92,7 @@ def run_batch_bench(args, loader=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    load = loader or _default_loader
+    load = loader or default_loader(args)
     model, tok = load(args.model, dtype=args.dtype, device=args.device)
     draft = None
     if any(METHODS[m].needs_draft for m in methods):

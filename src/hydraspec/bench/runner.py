@@ -58,10 +58,13 @@ def check_args(args, methods: list[str]) -> None:
         raise HydraspecError(f"--limit must be at least 1, got {args.limit}")
 
 
-def _default_loader(name, dtype, device):
+def default_loader(args):
+    """load_model with the bench's --quant (for the target; the draft follows --draft-quant)."""
     from ..models import load_model
 
-    return load_model(name, dtype=dtype, device=device)
+    def load(name, dtype, device):
+        return load_model(name, dtype=dtype, device=device, quant=getattr(args, "quant", "none"))
+    return load
 
 
 def run_bench(args, loader=None) -> int:
@@ -98,7 +101,7 @@ def run_bench(args, loader=None) -> int:
     device = args.device
     if pending:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
-        load = loader or _default_loader
+        load = loader or default_loader(args)
         model, tok = load(args.model, dtype=args.dtype, device=args.device)
         device = str(model.device)
         working = list(dict.fromkeys(m for _, ms in pending for m in ms))

@@ -16,6 +16,7 @@
 #endif
 #include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, make_int8_rows */
 #include "hs_ops.h"    /* hs_rmsnorm, hs_attention */
+#include "hs_gguf.h"   /* make_gguf_rows, run_gguf */
 
 #define NB 12 /* activation rows per micro-kernel pass */
 
@@ -264,4 +265,74 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
                    int64_t out, uint16_t* y, const float* bias, int nthreads) {
     int8_call c = {in, out, group, wq, NULL, scale, y, bias};
     return run_int8(xb, n, NB4, 0, &c, w4_tile, nthreads);
+}
+
+/* GGUF-precision weights x int8 activations with AVX512_VNNI (hs_gguf.h has the formats): per group of G
+   inputs, vpdpbusd sums code * x exactly in int32 (codes are its unsigned operand, activations the signed
+   one); the group's sum is then scaled, zero point or min taken out, and added to an fp32 total in group
+   order. */
+#define NBG 6
+#define DEFG(N, B, M) \
+VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0) { \
+    int64_t in4 = c->in / 4, g4 = c->G / 4, ng = c->in / c->G, o0 = b * OB; \
+    int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
+    const int32_t* xq = q->xq + j0 * in4; \
+    const float* sx = q->sx + j0 * ng; \
+    const int32_t* xs = q->xs + j0 * ng; \
+    const float* mxs = q->mxs + j0 * ng; \
+    const uint8_t* wb = c->wq + (size_t)(b * in4 * 16 * B); \
+    const float* sb = c->sc + (size_t)(b * ng * OB); \
+    const float* mb = M ? c->mn + (size_t)(b * ng * OB) : NULL; \
+    const __m512i lo = _mm512_set1_epi8(0x0f); \
+    __m512 f0[N], f1[N]; \
+    _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
+    for (int64_t g = 0; g < ng; g++) { \
+        __m512i a0[N], a1[N]; \
+        _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
+        for (int64_t p = g * g4; p < (g + 1) * g4; p++) { \
+            __m512i w0, w1; \
+            if (B == 4) { __m512i v = _mm512_loadu_si512(wb + p * 64); \
+                w0 = _mm512_and_si512(v, lo); w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo); } \
+            else { w0 = _mm512_loadu_si512(wb + p * 128); w1 = _mm512_loadu_si512(wb + p * 128 + 64); } \
+            _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
+                a0[j] = _mm512_dpbusd_epi32(a0[j], w0, xv); a1[j] = _mm512_dpbusd_epi32(a1[j], w1, xv); } \
+        } \
+        __m512 s0 = _mm512_loadu_ps(sb + g * OB), s1 = _mm512_loadu_ps(sb + g * OB + 16); \
+        if (M) { \
+            __m512 m0 = _mm512_loadu_ps(mb + g * OB), m1 = _mm512_loadu_ps(mb + g * OB + 16); \
+            _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+                __m512 sv = _mm512_set1_ps(sx[g * N + j]), mv = _mm512_set1_ps(mxs[g * N + j]); \
+                f0[j] = _mm512_fnmadd_ps(m0, mv, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0[j]), s0), sv, f0[j])); \
+                f1[j] = _mm512_fnmadd_ps(m1, mv, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1[j]), s1), sv, f1[j])); } \
+        } else { \
+            _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+                __m512 sv = _mm512_set1_ps(sx[g * N + j]); \
+                __m512i zc = _mm512_set1_epi32((int32_t)c->zero * xs[g * N + j]); \
+                f0[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0[j], zc)), s0), sv, f0[j]); \
+                f1[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1[j], zc)), s1), sv, f1[j]); } \
+        } \
+    } \
+    float buf[OB]; \
+    _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+        _mm512_storeu_ps(buf, f0[j]); _mm512_storeu_ps(buf + 16, f1[j]); \
+        gguf_store(buf, c->y + (j0 + j) * c->out + o0, o0, width, c->bias); } \
+}
+#define DEFG_ALL(B, M) DEFG(1, B, M) DEFG(2, B, M) DEFG(3, B, M) DEFG(4, B, M) DEFG(5, B, M) DEFG(6, B, M)
+DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(8, 0) DEFG_ALL(8, 1)
+typedef void (*gfn)(const gguf_call*, const gguf_rows*, int64_t, int64_t);
+static const gfn G40[NBG + 1] = {0, g40_1, g40_2, g40_3, g40_4, g40_5, g40_6};
+static const gfn G41[NBG + 1] = {0, g41_1, g41_2, g41_3, g41_4, g41_5, g41_6};
+static const gfn G80[NBG + 1] = {0, g80_1, g80_2, g80_3, g80_4, g80_5, g80_6};
+static const gfn G81[NBG + 1] = {0, g81_1, g81_2, g81_3, g81_4, g81_5, g81_6};
+
+static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr) {
+    const gfn* t = c->bits == 4 ? (c->mn ? G41 : G40) : (c->mn ? G81 : G80);
+    t[nr](c, q, b, j0);
+}
+
+/* x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16. 0, or -1 when out of memory. */
+int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* sc, const float* mn,
+                   int64_t zero, int64_t G, int64_t bits, int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    gguf_call c = {in, out, G, bits, zero, wq, sc, mn, y, bias};
+    return run_gguf(xb, n, NBG, &c, g_tile, nthreads);
 }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build llama.cpp's command-line tools from the sources that the llama-cpp-python sdist on PyPI vendors,
+# for the llama.cpp baselines of `hydraspec bench` (llamacpp-ar / llamacpp-draft / llamacpp-ngram) and for
+# llama-perplexity. Nothing of llama.cpp is kept in this repository.
+#   scripts/build_llamacpp.sh [DEST]      DEST defaults to ~/.cache/hydraspec/llama.cpp
+# About 15 minutes on two cores. The binaries land in DEST/build/bin; `hydraspec bench` finds them there
+# (or through $HYDRASPEC_LLAMACPP_BIN).
+set -euo pipefail
+dest=${1:-${HYDRASPEC_HOME:-$HOME/.cache/hydraspec}/llama.cpp}
+version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+mkdir -p "$dest"
+cd "$dest"
+if [ ! -d src ]; then
+  python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==$version" -d sdist
+  tar xzf sdist/llama_cpp_python-"$version".tar.gz
+  mv llama_cpp_python-"$version"/vendor/llama.cpp src
+  rm -rf llama_cpp_python-"$version" sdist
+fi
+cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
+  -DBUILD_SHARED_LIBS=OFF
+cmake --build build -j "$(nproc)" --target llama-completion llama-speculative-simple llama-perplexity \
+  llama-server llama-bench
+echo "llama.cpp tools in $dest/build/bin"

@@ -1,0 +1,420 @@
+"""GGUF weights at the file's own precision: decoding llama.cpp's block formats into integer codes with
+their scales, and the Linear / Embedding modules that compute with them.
+
+Every supported type is one of two forms over groups of G inputs of one output row:
+
+* zero point: ``w = scale * (code - z)``: Q8_0 (z 128), Q6_K (G 16, z 32), Q5_0 (z 16), Q4_0 (z 8);
+* min:        ``w = scale * code - min``: Q4_K, Q5_K, Q4_1, Q5_1 (``min`` is minus the file's offset).
+
+``scale`` and ``min`` are the file's fp16 block scales times its 6-/8-bit sub-block scales, computed in
+float32 as gguf-py computes them, so :meth:`QuantWeight.dequantize` equals ``gguf.dequantize`` bit for bit.
+4- and 5-bit ... 8-bit codes are kept as 4-bit (two a byte) or 8-bit codes.
+
+:class:`GGUFLinear` multiplies with the native kernel (``hs_linear_gguf``: int8 activations per row and group
+of G, as llama.cpp quantises them per block, exact integer sums per group). Without it, the same
+arithmetic runs in torch: integer sums in float32 (exact: a group's sum stays below 2^24), groups added in
+order. Either way a row's output depends on that row alone, so a verify step over many tokens computes
+what plain decoding computes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from hydraspec.errors import HydraspecError
+
+__all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "quantize_rows_grouped"]
+
+PACK_BLOCK = 32
+
+
+@dataclass
+class QuantWeight:
+    """One GGUF matrix [rows, cols] as codes (uint8, one per weight), ``bits`` kept (4 or 8), group size,
+    fp32 ``scale`` [rows, cols/group] and ``min`` (same shape) or integer zero point ``zero``."""
+
+    codes: np.ndarray
+    bits: int
+    group: int
+    scale: np.ndarray
+    min: np.ndarray | None
+    zero: int
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols], as gguf-py computes it."""
+        rows, cols = self.codes.shape
+        c = self.codes.reshape(rows, -1, self.group)
+        s = self.scale[..., None]
+        if self.min is None:
+            w = s * (c.astype(np.int16) - self.zero).astype(np.float32)
+        else:
+            w = s * c.astype(np.float32) - self.min[..., None]
+        return w.reshape(rows, cols)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] codes: the low nibbles first, then the high ones (ggml's 32-blocks)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q8_0(b):
+    d, qs = _f16(b[:, :2]), b[:, 2:]
+    return (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8), 8, 32, d, None, 128
+
+
+def _q4_0(b):
+    return _nibbles(b[:, 2:]), 4, 32, _f16(b[:, :2]), None, 8
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:]), 4, 32, _f16(b[:, :2]), -_f16(b[:, 2:4]), 0
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[n, 4] bytes (a little-endian uint32) -> [n, 32] fifth bits."""
+    return ((qh.copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q5_0(b):
+    return _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4), 8, 32, _f16(b[:, :2]), None, 16
+
+
+def _q5_1(b):
+    return _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4), 8, 32, _f16(b[:, :2]), -_f16(b[:, 2:4]), 0
+
+
+def _k_scales(b):
+    """Q4_K / Q5_K super-block header -> (scale, min) [n, 8] fp32 (d * sc, dmin * m, as gguf-py)."""
+    from gguf.quants import Q4_K
+
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
+    return _f16(b[:, :2]) * sc.astype(np.float32), _f16(b[:, 2:4]) * m.astype(np.float32)
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    s, m = _k_scales(b)
+    qs = b[:, 16:144].reshape(n, 4, 32)  # 4 chunks of 64 values: low nibbles, then high nibbles
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
+    return codes, 4, 32, s, m, 0
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    s, m = _k_scales(b)
+    qh, qs = b[:, 16:48], b[:, 48:176].reshape(n, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
+    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    return (low | (high << 4)).reshape(n, 256), 8, 32, s, m, 0
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
+    low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    codes = low.reshape(n, 2, 4, 32) | (high.reshape(n, 2, 4, 32) << 4)
+    return codes.reshape(n, 256), 8, 16, d * sc.copy().view(np.int8).astype(np.float32), None, 32
+
+
+# type name -> (values per block, bytes per block, decoder of [n_blocks, bytes] -> codes [n, values], ...)
+_DECODERS = {
+    "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
+}
+SUPPORTED = tuple(_DECODERS)
+
+
+def decode(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantWeight:
+    """The GGUF tensor bytes ``raw`` (any shape, ``rows * cols`` values of ``type_name``) as a QuantWeight."""
+    if type_name not in _DECODERS:
+        raise HydraspecError(f"GGUF type {type_name} cannot be held at its own precision "
+                             f"(supported: {', '.join(SUPPORTED)}); load the model with --quant none")
+    per, nbytes, fn = _DECODERS[type_name]
+    if cols % per:
+        raise HydraspecError(f"GGUF {type_name} tensor with {cols} columns is not whole blocks of {per}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // per, nbytes)
+    codes, bits, group, scale, mn, zero = fn(blocks)
+    g = cols // group
+    return QuantWeight(np.ascontiguousarray(codes.reshape(rows, cols)), bits, group,
+                       np.ascontiguousarray(scale.reshape(rows, g), dtype=np.float32),
+                       None if mn is None else np.ascontiguousarray(mn.reshape(rows, g), dtype=np.float32), zero)
+
+
+def quantize_rows_grouped(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x2 [rows, in] in groups of ``group`` inputs as integers in [-127, 127] (fp32) and the
+    group's fp32 scale (absmax/127, 1 for an all-zero group), rounded half to even: [rows, in/group, group]
+    and [rows, in/group]. The native kernel's activation arithmetic."""
+    xf = x2.float().view(x2.shape[0], -1, group)
+    amax = xf.abs().amax(-1)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(xf / s[..., None]).clamp_(-127, 127), s
+
+
+def _pack_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, k] -> [ceil(rows/32), k, 32] zero padded (the kernel's per-block layout of scales)."""
+    pad = (-rows) % PACK_BLOCK
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+    return t.view(-1, PACK_BLOCK, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _gguf_lib():
+    from . import kernels
+
+    lib = kernels.int8_dot_lib()
+    return lib if lib is not None and getattr(lib, "has_gguf", False) else None
+
+
+class GGUFLinear(nn.Module):
+    """A Linear layer whose weight is a GGUF tensor at the file's own precision (see the module docstring);
+    ``bias`` (fp32) is added to the fp32 sums before the output is rounded to the activations' dtype."""
+
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        out, inf = qw.codes.shape
+        self._allocate(out, inf, qw.bits, qw.group, qw.zero, qw.min is not None, bias)
+        self._fill(0, qw)
+
+    def _allocate(self, out: int, inf: int, bits: int, group: int, zero: int, has_min: bool,
+                  bias: torch.Tensor | None) -> None:
+        self.in_features, self.out_features = inf, out
+        self.bits, self.group, self.zero = bits, group, zero
+        if inf % 4 or group % 4 or inf % group:
+            raise HydraspecError(f"GGUF weight [{out} x {inf}] with groups of {group} does not fit the kernel")
+        nblk, ng = (out + PACK_BLOCK - 1) // PACK_BLOCK, inf // group
+        width = PACK_BLOCK // 2 if bits == 4 else PACK_BLOCK
+        self.register_buffer("qweight", torch.zeros(nblk, inf // 4, width, 4, dtype=torch.uint8))
+        self.register_buffer("scale", torch.zeros(nblk, ng, PACK_BLOCK))
+        self.register_buffer("minimum", torch.zeros(nblk, ng, PACK_BLOCK) if has_min else None)
+        self.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous())
+
+    def _fill(self, row0: int, qw: QuantWeight) -> None:
+        """Write the rows row0 .. row0+len (row0 a multiple of 32) of the packed buffers from ``qw``."""
+        n, inf = qw.codes.shape
+        b0, pad = row0 // PACK_BLOCK, (-n) % PACK_BLOCK
+        codes = torch.from_numpy(qw.codes)
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, inf)])
+        cb = codes.view(-1, PACK_BLOCK, inf // 4, 4).permute(0, 2, 1, 3)  # [blocks, in/4, 32, 4]
+        if self.bits == 4:
+            cb = cb[:, :, :16] | (cb[:, :, 16:] << 4)
+        nb = cb.shape[0]
+        self.qweight[b0:b0 + nb] = cb
+        self.scale[b0:b0 + nb] = _pack_rows(torch.from_numpy(qw.scale), n)
+        if qw.min is not None:
+            self.minimum[b0:b0 + nb] = _pack_rows(torch.from_numpy(qw.min), n)
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: np.ndarray, rows: int, cols: int, perm: np.ndarray | None = None,
+                  bias: torch.Tensor | None = None, chunk: int = 4096) -> "GGUFLinear":
+        """Build from a GGUF tensor's bytes ``raw`` ([rows, bytes per row]), decoding ``chunk`` rows at a
+        time (so loading never holds a second copy of a large tensor); ``perm`` reorders the rows."""
+        raw = raw.reshape(rows, -1)
+        first = decode(type_name, np.asarray(raw[:1] if perm is None else raw[perm[:1]]), 1, cols)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._allocate(rows, cols, first.bits, first.group, first.zero, first.min is not None, bias)
+        for r0 in range(0, rows, chunk):
+            part = raw[r0:r0 + chunk] if perm is None else raw[perm[r0:r0 + chunk]]
+            self._fill(r0, decode(type_name, np.asarray(part), part.shape[0], cols))
+        return self
+
+    def select(self, rows: torch.Tensor) -> "GGUFLinear":
+        """A GGUFLinear over output rows ``rows`` of this one (same codes and scales)."""
+        qw = QuantWeight(self.codes(rows).numpy(), self.bits, self.group,
+                         self.scale[rows // PACK_BLOCK, :, rows % PACK_BLOCK].numpy(),
+                         None if self.minimum is None else
+                         self.minimum[rows // PACK_BLOCK, :, rows % PACK_BLOCK].numpy(), self.zero)
+        return GGUFLinear(qw, None if self.bias32 is None else self.bias32[rows])
+
+    # -- the weight as the file holds it -----------------------------------------------------------------
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes (uint8) of output rows ``rows`` (default all) as [len(rows), in]."""
+        if rows is None:
+            rows = torch.arange(self.out_features)
+        blk, k = rows // PACK_BLOCK, rows % PACK_BLOCK
+        if self.bits == 4:
+            byte = self.qweight[blk, :, k % 16]  # [n, in/4, 4]
+            c = torch.where((k >= 16)[:, None, None], byte >> 4, byte & 15)
+        else:
+            c = self.qweight[blk, :, k]
+        return c.reshape(len(rows), self.in_features)
+
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 weight rows (default all) [n, in]: equal to gguf's own dequantization."""
+        if rows is None:
+            rows = torch.arange(self.out_features)
+        n, g = len(rows), self.in_features // self.group
+        blk, k = rows // PACK_BLOCK, rows % PACK_BLOCK
+        c = self.codes(rows).view(n, g, self.group)
+        s = self.scale[blk, :, k][..., None]
+        if self.minimum is None:
+            w = s * (c.to(torch.int16) - self.zero).float()
+        else:
+            w = s * c.float() - self.minimum[blk, :, k][..., None]
+        return w.view(n, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole weight dequantized to bf16 (a copy: for code that reads ``.weight`` rarely)."""
+        return self.dequantized().to(torch.bfloat16)
+
+    # -- the product ------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _gguf_lib()
+        if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            b = self._buffers
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
+            mn = b["minimum"]
+            bias = b["bias32"]
+            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], self.in_features, b["qweight"].data_ptr(),
+                                  b["scale"].data_ptr(), None if mn is None else mn.data_ptr(), self.zero,
+                                  self.group, self.bits, self.out_features, y.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), torch.get_num_threads()):
+                raise MemoryError("hydraspec CPU kernel: out of memory")
+            return y.view(*shape[:-1], self.out_features)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's arithmetic in torch: exact integer group sums (fp32 holds them exactly), scaled and
+        added group by group in order."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        q, sx = quantize_rows_grouped(x2, self.group)  # [n, G, g], [n, G]
+        n, ng = q.shape[0], q.shape[1]
+        xs = q.sum(-1)  # [n, G]
+        y = torch.zeros(n, self.out_features)
+        chunk = max(1, (1 << 22) // self.in_features)
+        for o in range(0, self.out_features, chunk):
+            rows = torch.arange(o, min(o + chunk, self.out_features))
+            blk, k = rows // PACK_BLOCK, rows % PACK_BLOCK
+            c = self.codes(rows).float().view(len(rows), ng, self.group).permute(1, 2, 0)  # [G, g, rows]
+            isum = torch.bmm(q.permute(1, 0, 2), c)  # [G, n, rows] exact integers
+            sw = self.scale[blk, :, k].T  # [G, rows]
+            acc = torch.zeros(n, len(rows))
+            if self.minimum is None:
+                for g in range(ng):
+                    acc = acc + (isum[g] - self.zero * xs[:, g:g + 1]) * sw[g] * sx[:, g:g + 1]
+            else:
+                mn = self.minimum[blk, :, k].T
+                for g in range(ng):
+                    acc = acc + isum[g] * sw[g] * sx[:, g:g + 1] - mn[g] * (sx[:, g:g + 1] * xs[:, g:g + 1])
+            y[:, o:o + len(rows)] = acc
+        if self.bias32 is not None:
+            y = y + self.bias32
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        form = "min" if self.minimum is not None else f"zero point {self.zero}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit codes, "
+                f"groups of {self.group}, {form}")
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings read from a GGUFLinear's rows (tied embeddings share one copy), dequantized per
+    looked-up token and rounded to ``dtype``."""
+
+    def __init__(self, table: GGUFLinear, dtype: torch.dtype, padding_idx: int | None = None):
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantized (a copy)."""
+        return self.table.dequantized().to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.table.dequantized(flat).to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, GGUF rows"
+
+
+def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
+    """How transformers' tensor processor reorders the rows of GGUF tensor ``name`` (llama's q/k heads are
+    stored permuted), as a permutation, or None when it keeps them; anything else it does is refused."""
+    probe = np.arange(rows, dtype=np.int64).reshape(rows, 1)
+    out = np.asarray(processor.process(weights=probe, name=name).weights).reshape(-1)
+    if out.shape == (rows,) and np.array_equal(np.sort(out), probe[:, 0]):
+        return None if np.array_equal(out, probe[:, 0]) else out
+    raise HydraspecError(f"GGUF tensor {name}: transformers changes its values on loading; "
+                         "it cannot be held at the file's precision (load with --quant none)")
+
+
+def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str | None = None,
+                progress: bool = True):
+    """The stock transformers model for ``config`` with the weights of ``gguf_file``: every Linear whose
+    tensor is of a :data:`SUPPORTED` type becomes a :class:`GGUFLinear`, a quantized embedding a
+    :class:`GGUFEmbedding`; float tensors (norms, biases) are loaded in ``dtype`` (biases fp32 in the
+    kernel). The model is built on the meta device first, so no dense copy of the weights is ever made."""
+    from accelerate import init_empty_weights
+    from gguf import GGUFReader, dequantize
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+
+    parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False)
+    reader = GGUFReader(str(gguf_file))
+    arch = str(reader.fields["general.architecture"].contents())
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    mapping = get_gguf_hf_weights_map(model, processor)
+    quantized: dict[str, GGUFLinear] = {}  # module name -> its weight at the file's precision
+    dense: dict[str, torch.Tensor] = {}  # parameter name -> tensor
+    for t in tqdm(reader.tensors, desc="loading GGUF weights", disable=not progress):
+        hf = mapping.get(t.name)
+        if hf is None:
+            continue
+        mod_name, pname = hf.rsplit(".", 1)
+        mod = model.get_submodule(mod_name)
+        kind = t.tensor_type.name
+        if pname == "weight" and isinstance(mod, (nn.Linear, nn.Embedding)) and kind not in ("F32", "F16", "BF16"):
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            quantized[mod_name] = GGUFLinear.from_gguf(kind, t.data, rows, cols, _row_order(processor, t.name, rows))
+        else:
+            arr = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name).weights
+            dense[hf] = torch.from_numpy(np.array(arr))
+    for name, mod in list(model.named_modules()):
+        if name in quantized:
+            table = quantized[name]
+            if isinstance(mod, nn.Embedding):
+                new = GGUFEmbedding(table, dtype, mod.padding_idx)
+            else:
+                bias = dense.pop(f"{name}.bias", None)
+                table.bias32 = None if bias is None else bias.float().contiguous()
+                new = table
+            model.set_submodule(name, new)
+    out_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    in_name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    if out_name and out_name not in quantized and f"{out_name}.weight" not in dense and in_name in quantized:
+        model.set_submodule(out_name, quantized[in_name])  # tied embeddings: one copy, read both ways
+    for hf, tensor in dense.items():
+        mod_name, pname = hf.rsplit(".", 1)
+        mod = model.get_submodule(mod_name)
+        keep = torch.float32 if isinstance(mod, GGUFLinear) else dtype
+        setattr(mod, pname, nn.Parameter(tensor.to(keep), requires_grad=False))
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise HydraspecError(f"GGUF file {gguf_file} has no tensor for {', '.join(missing[:5])}")
+    return model.eval()

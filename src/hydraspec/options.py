@@ -1,0 +1,27 @@
+"""Command-line options shared by several commands (generate, bench, build-tree, serve): defined once here,
+so that the tools under the command line need not import it."""
+from __future__ import annotations
+
+from .models import QUANTS
+
+
+def add_quant_arg(p) -> None:
+    p.add_argument("--quant", choices=QUANTS, default="auto",
+                   help="gguf: keep a GGUF model's weights at the file's own precision (CPU; --dtype is then the "
+                        "activations' dtype); none: dequantize them to --dtype; auto (default): gguf for offline "
+                        "names and .gguf files on the CPU")
+
+
+def add_draft_quant_arg(p) -> None:
+    p.add_argument("--draft-quant", choices=["auto", "gguf", "none", "int8", "w8a8", "w4a8"], default="auto",
+                   help="auto (default): the draft GGUF's own precision on the CPU (as --quant), else none; "
+                        "int8: hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads); w8a8: "
+                        "int8 weights and activations, multiplied as integers (AVX512_VNNI, or AVX2; less "
+                        "arithmetic); w4a8: 4-bit weights (groups of 64 inputs) and int8 activations (half the "
+                        "bytes of int8); the output stays the target's")
+
+
+def add_verify_budget_arg(p) -> None:
+    p.add_argument("--verify-budget", type=int, metavar="N",
+                   help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
+                        "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
