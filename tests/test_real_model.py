@@ -58,3 +58,25 @@ def test_bf16_speculation_equals_plain_decoding_on_smollm2():
         for drafter in drafters + [d for _, d in bundled_head_drafters(model)]:
             res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=128)
             assert res.token_ids == ref.token_ids, (drafter.name, prompt)
+
+
+def test_gguf_precision_speculation_equals_plain_decoding_on_smollm2():
+    """At the file's own precision (Q4_1 codes, int8 activations per group): every method's greedy answer is
+    plain decoding's at that precision, token for token."""
+    from hydraspec.demo import bundled_head_drafters
+    from hydraspec.gguf_weights import GGUFLinear, _gguf_lib
+    from hydraspec.models import load_model
+
+    if _gguf_lib() is None:
+        pytest.skip("needs the native GGUF kernel")
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2-135m-instruct", quant="gguf", device="cpu", auto_pull=True)
+    assert isinstance(model.model.layers[0].mlp.down_proj, GGUFLinear)
+    ar = SpeculativeGenerator(model, tok)
+    for prompt in PROMPTS + ["Write a Python function that checks whether a number is prime."]:
+        ref = ar.generate(prompt, max_new_tokens=96)
+        drafters = [make_drafter("pld"), make_drafter("draft", draft_model=model),
+                    make_drafter("draft", draft_model=model, widths=[2, 2, 1])]
+        for drafter in drafters + [d for _, d in bundled_head_drafters(model)]:
+            res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=96)
+            assert res.token_ids == ref.token_ids, (drafter.name, prompt)

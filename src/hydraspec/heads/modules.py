@@ -97,6 +97,12 @@ class Heads(nn.Module):
             head = self.proj[k]
             return head(x.to(head.weight.dtype))
         base = self._shared[0]
+        if hasattr(base, "select"):  # a base lm_head at the GGUF file's precision (hydraspec.gguf_weights)
+            if self.subset is None:
+                return base(x.to(torch.bfloat16))
+            if not self._shared_sub:
+                self._shared_sub = (base.select(self.subset),)
+            return self._shared_sub[0](x.to(torch.bfloat16))
         if self.subset is None:
             return base(x.to(base.weight.dtype))
         lin = self._shared_sub[0] if self._shared_sub else None  # a tuple: not a registered submodule
