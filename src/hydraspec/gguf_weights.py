@@ -42,6 +42,11 @@ class QuantWeight:
     scale: np.ndarray
     min: np.ndarray | None
     zero: int
+    # K-quants: scale = d * sub_scale, min = dmin * sub_min with one d / dmin per 256 inputs (kept in two levels)
+    d: np.ndarray | None = None
+    sub_scale: np.ndarray | None = None
+    dmin: np.ndarray | None = None
+    sub_min: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
         """float32 [rows, cols], as gguf-py computes it."""
@@ -91,28 +96,35 @@ def _q5_1(b):
 
 
 def _k_scales(b):
-    """Q4_K / Q5_K super-block header -> (scale, min) [n, 8] fp32 (d * sc, dmin * m, as gguf-py)."""
+    """Q4_K / Q5_K super-block header -> d, dmin [n, 1] and the 6-bit sub-scales and sub-mins [n, 8]."""
     from gguf.quants import Q4_K
 
     sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
-    return _f16(b[:, :2]) * sc.astype(np.float32), _f16(b[:, 2:4]) * m.astype(np.float32)
+    return _f16(b[:, :2]), _f16(b[:, 2:4]), sc.astype(np.int8), m.astype(np.int8)
+
+
+def _two_level(codes, bits, group, d, sc, dmin=None, m=None):
+    """A K-quant's decoding: scale = d * sc and min = dmin * m in fp32, as gguf-py computes them."""
+    scale = d * sc.astype(np.float32)
+    mn = None if dmin is None else dmin * m.astype(np.float32)
+    return codes, bits, group, scale, mn, 0 if dmin is not None else 32, (d, sc, dmin, m)
 
 
 def _q4_k(b):
     n = b.shape[0]
-    s, m = _k_scales(b)
+    d, dmin, sc, m = _k_scales(b)
     qs = b[:, 16:144].reshape(n, 4, 32)  # 4 chunks of 64 values: low nibbles, then high nibbles
     codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
-    return codes, 4, 32, s, m, 0
+    return _two_level(codes, 4, 32, d, sc, dmin, m)
 
 
 def _q5_k(b):
     n = b.shape[0]
-    s, m = _k_scales(b)
+    d, dmin, sc, m = _k_scales(b)
     qh, qs = b[:, 16:48], b[:, 48:176].reshape(n, 4, 32)
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    return (low | (high << 4)).reshape(n, 256), 8, 32, s, m, 0
+    return _two_level((low | (high << 4)).reshape(n, 256), 8, 32, d, sc, dmin, m)
 
 
 def _q6_k(b):
@@ -121,7 +133,7 @@ def _q6_k(b):
     low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     codes = low.reshape(n, 2, 4, 32) | (high.reshape(n, 2, 4, 32) << 4)
-    return codes.reshape(n, 256), 8, 16, d * sc.copy().view(np.int8).astype(np.float32), None, 32
+    return _two_level(codes.reshape(n, 256), 8, 16, d, sc.copy().view(np.int8))
 
 
 # type name -> (values per block, bytes per block, decoder of [n_blocks, bytes] -> codes [n, values], ...)
@@ -141,11 +153,15 @@ def decode(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantWeight
     if cols % per:
         raise HydraspecError(f"GGUF {type_name} tensor with {cols} columns is not whole blocks of {per}")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // per, nbytes)
-    codes, bits, group, scale, mn, zero = fn(blocks)
+    codes, bits, group, scale, mn, zero, *levels = fn(blocks)
     g = cols // group
+
+    def per_row(a, dtype):
+        return None if a is None else np.ascontiguousarray(a.reshape(rows, -1), dtype=dtype)
+    d, sc, dmin, m = levels[0] if levels else (None,) * 4
     return QuantWeight(np.ascontiguousarray(codes.reshape(rows, cols)), bits, group,
-                       np.ascontiguousarray(scale.reshape(rows, g), dtype=np.float32),
-                       None if mn is None else np.ascontiguousarray(mn.reshape(rows, g), dtype=np.float32), zero)
+                       per_row(scale, np.float32), per_row(mn, np.float32), zero,
+                       per_row(d, np.float32), per_row(sc, np.int8), per_row(dmin, np.float32), per_row(m, np.int8))
 
 
 def quantize_rows_grouped(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,25 +191,36 @@ def _gguf_lib():
 
 class GGUFLinear(nn.Module):
     """A Linear layer whose weight is a GGUF tensor at the file's own precision (see the module docstring);
-    ``bias`` (fp32) is added to the fp32 sums before the output is rounded to the activations' dtype."""
+    ``bias`` (fp32) is added to the fp32 sums before the output is rounded to the activations' dtype.
+    K-quants keep their two levels of scales (an fp32 ``d`` per 256 inputs, an int8 sub-scale per group),
+    the kernel multiplying them out as gguf-py does: 0.59 bytes a Q4_K weight instead of 0.75."""
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None):
         super().__init__()
         out, inf = qw.codes.shape
-        self._allocate(out, inf, qw.bits, qw.group, qw.zero, qw.min is not None, bias)
+        self._allocate(out, inf, qw, bias)
         self._fill(0, qw)
 
-    def _allocate(self, out: int, inf: int, bits: int, group: int, zero: int, has_min: bool,
-                  bias: torch.Tensor | None) -> None:
+    def _allocate(self, out: int, inf: int, qw: QuantWeight, bias: torch.Tensor | None) -> None:
         self.in_features, self.out_features = inf, out
-        self.bits, self.group, self.zero = bits, group, zero
-        if inf % 4 or group % 4 or inf % group:
-            raise HydraspecError(f"GGUF weight [{out} x {inf}] with groups of {group} does not fit the kernel")
-        nblk, ng = (out + PACK_BLOCK - 1) // PACK_BLOCK, inf // group
-        width = PACK_BLOCK // 2 if bits == 4 else PACK_BLOCK
+        self.bits, self.group, self.zero = qw.bits, qw.group, qw.zero
+        if inf % 4 or self.group % 4 or inf % self.group:
+            raise HydraspecError(f"GGUF weight [{out} x {inf}] with groups of {self.group} does not fit the kernel")
+        nblk, ng = (out + PACK_BLOCK - 1) // PACK_BLOCK, inf // self.group
+        width = PACK_BLOCK // 2 if self.bits == 4 else PACK_BLOCK
+        two = qw.d is not None
+        self.per_d = ng // qw.d.shape[1] if two else 0  # groups per super-block scale
+        nsb = qw.d.shape[1] if two else 0
+
+        def buf(name, present, k, dtype):
+            self.register_buffer(name, torch.zeros(nblk, k, PACK_BLOCK, dtype=dtype) if present else None)
         self.register_buffer("qweight", torch.zeros(nblk, inf // 4, width, 4, dtype=torch.uint8))
-        self.register_buffer("scale", torch.zeros(nblk, ng, PACK_BLOCK))
-        self.register_buffer("minimum", torch.zeros(nblk, ng, PACK_BLOCK) if has_min else None)
+        buf("scale", not two, ng, torch.float32)
+        buf("minimum", not two and qw.min is not None, ng, torch.float32)
+        buf("d", two, nsb, torch.float32)
+        buf("sub_scale", two, ng, torch.int8)
+        buf("dmin", two and qw.dmin is not None, nsb, torch.float32)
+        buf("sub_min", two and qw.dmin is not None, ng, torch.int8)
         self.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous())
 
     def _fill(self, row0: int, qw: QuantWeight) -> None:
@@ -208,9 +235,11 @@ class GGUFLinear(nn.Module):
             cb = cb[:, :, :16] | (cb[:, :, 16:] << 4)
         nb = cb.shape[0]
         self.qweight[b0:b0 + nb] = cb
-        self.scale[b0:b0 + nb] = _pack_rows(torch.from_numpy(qw.scale), n)
-        if qw.min is not None:
-            self.minimum[b0:b0 + nb] = _pack_rows(torch.from_numpy(qw.min), n)
+        sources = {"scale": qw.scale, "minimum": qw.min, "d": qw.d, "sub_scale": qw.sub_scale, "dmin": qw.dmin,
+                   "sub_min": qw.sub_min}
+        for name, arr in sources.items():
+            if self._buffers.get(name) is not None:
+                self._buffers[name][b0:b0 + nb] = _pack_rows(torch.from_numpy(arr), n)
 
     @classmethod
     def from_gguf(cls, type_name: str, raw: np.ndarray, rows: int, cols: int, perm: np.ndarray | None = None,
@@ -221,26 +250,25 @@ class GGUFLinear(nn.Module):
         first = decode(type_name, np.asarray(raw[:1] if perm is None else raw[perm[:1]]), 1, cols)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._allocate(rows, cols, first.bits, first.group, first.zero, first.min is not None, bias)
+        self._allocate(rows, cols, first, bias)
         for r0 in range(0, rows, chunk):
             part = raw[r0:r0 + chunk] if perm is None else raw[perm[r0:r0 + chunk]]
             self._fill(r0, decode(type_name, np.asarray(part), part.shape[0], cols))
         return self
 
-    def select(self, rows: torch.Tensor) -> "GGUFLinear":
-        """A GGUFLinear over output rows ``rows`` of this one (same codes and scales)."""
-        qw = QuantWeight(self.codes(rows).numpy(), self.bits, self.group,
-                         self.scale[rows // PACK_BLOCK, :, rows % PACK_BLOCK].numpy(),
-                         None if self.minimum is None else
-                         self.minimum[rows // PACK_BLOCK, :, rows % PACK_BLOCK].numpy(), self.zero)
-        return GGUFLinear(qw, None if self.bias32 is None else self.bias32[rows])
-
     # -- the weight as the file holds it -----------------------------------------------------------------
-    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The codes (uint8) of output rows ``rows`` (default all) as [len(rows), in]."""
+    def _rows(self, rows: torch.Tensor | None):
         if rows is None:
             rows = torch.arange(self.out_features)
-        blk, k = rows // PACK_BLOCK, rows % PACK_BLOCK
+        return rows, rows // PACK_BLOCK, rows % PACK_BLOCK
+
+    def _level(self, name: str, blk: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+        t = self._buffers.get(name)
+        return None if t is None else t[blk, :, k]
+
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes (uint8) of output rows ``rows`` (default all) as [len(rows), in]."""
+        rows, blk, k = self._rows(rows)
         if self.bits == 4:
             byte = self.qweight[blk, :, k % 16]  # [n, in/4, 4]
             c = torch.where((k >= 16)[:, None, None], byte >> 4, byte & 15)
@@ -248,19 +276,40 @@ class GGUFLinear(nn.Module):
             c = self.qweight[blk, :, k]
         return c.reshape(len(rows), self.in_features)
 
+    def group_scales(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 (scale, min or None), each [len(rows), in/group]: K-quants' two levels multiplied out in fp32."""
+        rows, blk, k = self._rows(rows)
+        if self.d is None:
+            return self._level("scale", blk, k), self._level("minimum", blk, k)
+        d = self._level("d", blk, k).repeat_interleave(self.per_d, 1)
+        scale = d * self._level("sub_scale", blk, k).float()
+        if self.dmin is None:
+            return scale, None
+        return scale, self._level("dmin", blk, k).repeat_interleave(self.per_d, 1) * \
+            self._level("sub_min", blk, k).float()
+
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 weight rows (default all) [n, in]: equal to gguf's own dequantization."""
-        if rows is None:
-            rows = torch.arange(self.out_features)
+        rows, _, _ = self._rows(rows)
         n, g = len(rows), self.in_features // self.group
-        blk, k = rows // PACK_BLOCK, rows % PACK_BLOCK
         c = self.codes(rows).view(n, g, self.group)
-        s = self.scale[blk, :, k][..., None]
-        if self.minimum is None:
-            w = s * (c.to(torch.int16) - self.zero).float()
+        s, mn = self.group_scales(rows)
+        if mn is None:
+            w = s[..., None] * (c.to(torch.int16) - self.zero).float()
         else:
-            w = s * c.float() - self.minimum[blk, :, k][..., None]
+            w = s[..., None] * c.float() - mn[..., None]
         return w.view(n, self.in_features)
+
+    def select(self, rows: torch.Tensor) -> "GGUFLinear":
+        """A GGUFLinear over output rows ``rows`` of this one (same codes and scales)."""
+        rows, blk, k = self._rows(rows)
+
+        def lv(name):
+            t = self._level(name, blk, k)
+            return None if t is None else t.numpy()
+        qw = QuantWeight(self.codes(rows).numpy(), self.bits, self.group, lv("scale"), lv("minimum"), self.zero,
+                         lv("d"), lv("sub_scale"), lv("dmin"), lv("sub_min"))
+        return GGUFLinear(qw, None if self.bias32 is None else self.bias32[rows])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -275,14 +324,13 @@ class GGUFLinear(nn.Module):
             x2 = x.reshape(-1, shape[-1])
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
-            b = self._buffers
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
-            mn = b["minimum"]
-            bias = b["bias32"]
-            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], self.in_features, b["qweight"].data_ptr(),
-                                  b["scale"].data_ptr(), None if mn is None else mn.data_ptr(), self.zero,
-                                  self.group, self.bits, self.out_features, y.data_ptr(),
-                                  None if bias is None else bias.data_ptr(), torch.get_num_threads()):
+            b = self._buffers
+            ptr = [None if b[n] is None else b[n].data_ptr()
+                   for n in ("scale", "minimum", "d", "sub_scale", "dmin", "sub_min", "bias32")]
+            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], self.in_features, b["qweight"].data_ptr(), *ptr[:6],
+                                  self.per_d, self.zero, self.group, self.bits, self.out_features, y.data_ptr(),
+                                  ptr[6], torch.get_num_threads()):
                 raise MemoryError("hydraspec CPU kernel: out of memory")
             return y.view(*shape[:-1], self.out_features)
         return self.reference(x)
@@ -299,17 +347,14 @@ class GGUFLinear(nn.Module):
         chunk = max(1, (1 << 22) // self.in_features)
         for o in range(0, self.out_features, chunk):
             rows = torch.arange(o, min(o + chunk, self.out_features))
-            blk, k = rows // PACK_BLOCK, rows % PACK_BLOCK
             c = self.codes(rows).float().view(len(rows), ng, self.group).permute(1, 2, 0)  # [G, g, rows]
             isum = torch.bmm(q.permute(1, 0, 2), c)  # [G, n, rows] exact integers
-            sw = self.scale[blk, :, k].T  # [G, rows]
+            sw, mn = (None if t is None else t.T for t in self.group_scales(rows))  # [G, rows]
             acc = torch.zeros(n, len(rows))
-            if self.minimum is None:
-                for g in range(ng):
+            for g in range(ng):
+                if mn is None:
                     acc = acc + (isum[g] - self.zero * xs[:, g:g + 1]) * sw[g] * sx[:, g:g + 1]
-            else:
-                mn = self.minimum[blk, :, k].T
-                for g in range(ng):
+                else:
                     acc = acc + isum[g] * sw[g] * sx[:, g:g + 1] - mn[g] * (sx[:, g:g + 1] * xs[:, g:g + 1])
             y[:, o:o + len(rows)] = acc
         if self.bias32 is not None:
@@ -317,9 +362,10 @@ class GGUFLinear(nn.Module):
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        form = "min" if self.minimum is not None else f"zero point {self.zero}"
+        form = "min" if (self.minimum is not None or self.dmin is not None) else f"zero point {self.zero}"
+        levels = ", two-level scales" if self.d is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit codes, "
-                f"groups of {self.group}, {form}")
+                f"groups of {self.group}, {form}{levels}")
 
 
 class GGUFEmbedding(nn.Module):

@@ -143,8 +143,8 @@ def build_native(isa: str):
     lib.hs_attention.restype = ctypes.c_int
     lib.has_gguf = hasattr(lib, "hs_linear_gguf")
     if lib.has_gguf:
-        lib.hs_linear_gguf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + \
+        lib.hs_linear_gguf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7 + \
+                                      [ctypes.c_int64] * 5 + \
                                       [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.hs_linear_gguf.restype = ctypes.c_int
     if isa != "avx512":

@@ -281,8 +281,15 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
     const int32_t* xs = q->xs + j0 * ng; \
     const float* mxs = q->mxs + j0 * ng; \
     const uint8_t* wb = c->wq + (size_t)(b * in4 * 16 * B); \
-    const float* sb = c->sc + (size_t)(b * ng * OB); \
-    const float* mb = M ? c->mn + (size_t)(b * ng * OB) : NULL; \
+    const int two = c->sc == NULL; /* K-quants: d * sub-scale */ \
+    const int64_t nsb = two ? ng / c->per_d : 0; \
+    const float* sb = two ? NULL : c->sc + (size_t)(b * ng * OB); \
+    const float* mb = M && !two ? c->mn + (size_t)(b * ng * OB) : NULL; \
+    const int8_t* ssb = two ? c->ssc + (size_t)(b * ng * OB) : NULL; \
+    const int8_t* smb = M && two ? c->smn + (size_t)(b * ng * OB) : NULL; \
+    const float* db = two ? c->d + (size_t)(b * nsb * OB) : NULL; \
+    const float* dmb = M && two ? c->dmin + (size_t)(b * nsb * OB) : NULL; \
+    __m512 d0 = _mm512_setzero_ps(), d1 = d0, dm0 = d0, dm1 = d0; \
     const __m512i lo = _mm512_set1_epi8(0x0f); \
     __m512 f0[N], f1[N]; \
     _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
@@ -297,9 +304,18 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
             _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
                 a0[j] = _mm512_dpbusd_epi32(a0[j], w0, xv); a1[j] = _mm512_dpbusd_epi32(a1[j], w1, xv); } \
         } \
-        __m512 s0 = _mm512_loadu_ps(sb + g * OB), s1 = _mm512_loadu_ps(sb + g * OB + 16); \
+        __m512 s0, s1, m0 = _mm512_setzero_ps(), m1 = m0; \
+        if (two) { \
+            if (g % c->per_d == 0) { int64_t at = (g / c->per_d) * OB; \
+                d0 = _mm512_loadu_ps(db + at); d1 = _mm512_loadu_ps(db + at + 16); \
+                if (M) { dm0 = _mm512_loadu_ps(dmb + at); dm1 = _mm512_loadu_ps(dmb + at + 16); } } \
+            s0 = _mm512_mul_ps(d0, ld8(ssb + g * OB)); s1 = _mm512_mul_ps(d1, ld8(ssb + g * OB + 16)); \
+            if (M) { m0 = _mm512_mul_ps(dm0, ld8(smb + g * OB)); m1 = _mm512_mul_ps(dm1, ld8(smb + g * OB + 16)); } \
+        } else { \
+            s0 = _mm512_loadu_ps(sb + g * OB); s1 = _mm512_loadu_ps(sb + g * OB + 16); \
+            if (M) { m0 = _mm512_loadu_ps(mb + g * OB); m1 = _mm512_loadu_ps(mb + g * OB + 16); } \
+        } \
         if (M) { \
-            __m512 m0 = _mm512_loadu_ps(mb + g * OB), m1 = _mm512_loadu_ps(mb + g * OB + 16); \
             _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
                 __m512 sv = _mm512_set1_ps(sx[g * N + j]), mv = _mm512_set1_ps(mxs[g * N + j]); \
                 f0[j] = _mm512_fnmadd_ps(m0, mv, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0[j]), s0), sv, f0[j])); \
@@ -326,13 +342,15 @@ static const gfn G80[NBG + 1] = {0, g80_1, g80_2, g80_3, g80_4, g80_5, g80_6};
 static const gfn G81[NBG + 1] = {0, g81_1, g81_2, g81_3, g81_4, g81_5, g81_6};
 
 static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr) {
-    const gfn* t = c->bits == 4 ? (c->mn ? G41 : G40) : (c->mn ? G81 : G80);
+    int m = c->mn != NULL || c->dmin != NULL;
+    const gfn* t = c->bits == 4 ? (m ? G41 : G40) : (m ? G81 : G80);
     t[nr](c, q, b, j0);
 }
 
 /* x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16. 0, or -1 when out of memory. */
 int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* sc, const float* mn,
+                   const float* d, const int8_t* ssc, const float* dmin, const int8_t* smn, int64_t per_d,
                    int64_t zero, int64_t G, int64_t bits, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    gguf_call c = {in, out, G, bits, zero, wq, sc, mn, y, bias};
+    gguf_call c = {in, out, G, bits, zero, per_d, wq, sc, mn, d, ssc, dmin, smn, y, bias};
     return run_gguf(xb, n, NBG, &c, g_tile, nthreads);
 }

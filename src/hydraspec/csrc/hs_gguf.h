@@ -5,11 +5,13 @@
    Q8_0, Q6_K, Q5_0, Q4_0) or one fp32 min per output and group (w = scale * code - min: Q4_K, Q5_K, Q4_1).
    Activations are quantised to int8 per row and per group of G inputs (absmax/127, round half to even), as
    llama.cpp quantises them per block. A group's integer sum of code * x is exact, so each row's result
-   depends on that row alone.
+   depends on that row alone. K-quants keep two levels instead of sc / mn: an fp32 d (and dmin) per output
+   and super-block of per_d groups, times an int8 sub-scale (and sub-min) per output and group, multiplied
+   in fp32 as gguf-py does.
 
    Packed weights: 4-bit [ceil(out/32)][in/4][16][4] bytes (byte 4k+t of step p: input 4p+t of output k in the
    low nibble, of output k+16 in the high one); 8-bit [ceil(out/32)][in/4][32][4]. Scales and mins:
-   [ceil(out/32)][in/G][32] fp32. */
+   [ceil(out/32)][in/G][32] fp32 (sub-scales int8, d and dmin [ceil(out/32)][in/G/per_d][32] fp32). */
 #ifndef HS_GGUF_H
 #define HS_GGUF_H
 #include "hs_common.h"
@@ -60,10 +62,14 @@ static int make_gguf_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t G, 
 
 /* One GGUF-precision call: bits 4 or 8; mn NULL for the zero-point form */
 typedef struct {
-    int64_t in, out, G, bits, zero;
+    int64_t in, out, G, bits, zero, per_d;
     const uint8_t* wq;
     const float* sc;
     const float* mn;
+    const float* d;
+    const int8_t* ssc;
+    const float* dmin;
+    const int8_t* smn;
     uint16_t* y;
     const float* bias;
 } gguf_call;
