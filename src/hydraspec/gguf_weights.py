@@ -413,10 +413,8 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
     from gguf import GGUFReader, dequantize
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    parsed = load_gguf_checkpoint(str(gguf_file), return_tensors=False)
     reader = GGUFReader(str(gguf_file))
     arch = str(reader.fields["general.architecture"].contents())
     kwargs = {"dtype": dtype}
@@ -424,23 +422,30 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
         kwargs["attn_implementation"] = attn_implementation
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     mapping = get_gguf_hf_weights_map(model, processor)
     quantized: dict[str, GGUFLinear] = {}  # module name -> its weight at the file's precision
     dense: dict[str, torch.Tensor] = {}  # parameter name -> tensor
+    # tensors are read with plain file reads: pages of a memory map would count as resident memory
+    handle = open(gguf_file, "rb")
     for t in tqdm(reader.tensors, desc="loading GGUF weights", disable=not progress):
         hf = mapping.get(t.name)
         if hf is None:
             continue
+        handle.seek(t.data_offset)
+        data = np.frombuffer(handle.read(int(t.n_bytes)), dtype=np.uint8)
         mod_name, pname = hf.rsplit(".", 1)
         mod = model.get_submodule(mod_name)
         kind = t.tensor_type.name
         if pname == "weight" and isinstance(mod, (nn.Linear, nn.Embedding)) and kind not in ("F32", "F16", "BF16"):
             rows, cols = int(t.shape[1]), int(t.shape[0])
-            quantized[mod_name] = GGUFLinear.from_gguf(kind, t.data, rows, cols, _row_order(processor, t.name, rows))
+            quantized[mod_name] = GGUFLinear.from_gguf(kind, data, rows, cols, _row_order(processor, t.name, rows))
         else:
-            arr = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name).weights
+            arr = processor.process(weights=dequantize(data.view(t.data.dtype).reshape(t.data.shape), t.tensor_type),
+                                    name=t.name).weights
             dense[hf] = torch.from_numpy(np.array(arr))
+    handle.close()
+    del reader
     for name, mod in list(model.named_modules()):
         if name in quantized:
             table = quantized[name]

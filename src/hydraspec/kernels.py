@@ -586,9 +586,11 @@ def fuse_norms(model: nn.Module) -> int:
     todo = []
     for mod in model.modules():
         for name, child in mod.named_children():
+            if not hasattr(child, "variance_epsilon"):  # before .weight: some modules compute theirs
+                continue
             w = getattr(child, "weight", None)
             if (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 1
-                    and hasattr(child, "variance_epsilon") and _plain_rmsnorm(type(child))):
+                    and _plain_rmsnorm(type(child))):
                 todo.append((mod, name, child))
     for parent, name, child in todo:
         setattr(parent, name, FusedRMSNorm(child))
