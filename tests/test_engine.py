@@ -480,7 +480,7 @@ def test_draft_leaves_keep_greedy_output_and_get_accepted(confidence, tok):
 def test_draft_leaves_refuse_bad_settings():
     import argparse
 
-    from hydraspec.cli import leaves_option
+    from hydraspec.options import leaves_option
     family, attn, seed = CASES[0]
     draft = draft_for(family, attn, seed)
     assert leaves_option(argparse.Namespace(draft_leaves=2)) == {"leaves": 2}

@@ -10,7 +10,7 @@ import time
 from .errors import HydraspecError
 
 from .models import DEVICES, DTYPES
-from .options import add_draft_quant_arg, add_quant_arg, add_verify_budget_arg
+from .options import add_draft_quant_arg, add_quant_arg, add_verify_budget_arg, leaves_option
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
@@ -107,18 +107,6 @@ def build_drafter(args, target_tok, draft=None, model=None):
                             k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
                             confidence=args.draft_confidence, **leaves_option(args, widths))
     return make_drafter("ar")
-
-
-def leaves_option(args, widths=None) -> dict:
-    """--draft-leaves as a make_drafter option (the chain's only; refused with a draft tree)."""
-    n = getattr(args, "draft_leaves", None)
-    if n is None:
-        return {}
-    if n < 0:
-        raise HydraspecError("--draft-leaves must be >= 0")
-    if n and (widths or getattr(args, "tree", None)):
-        raise HydraspecError("--draft-leaves applies to the draft chain, not to --draft-tree or --tree")
-    return {"leaves": n}
 
 
 def is_dynamic(args) -> bool:

@@ -2,6 +2,7 @@
 so that the tools under the command line need not import it."""
 from __future__ import annotations
 
+from .errors import HydraspecError
 from .models import QUANTS
 
 
@@ -25,3 +26,15 @@ def add_verify_budget_arg(p) -> None:
     p.add_argument("--verify-budget", type=int, metavar="N",
                    help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "
                         "cut to N // rows - 1 nodes (long drafts at batch 1, short at batch 8; output unchanged)")
+
+
+def leaves_option(args, widths=None) -> dict:
+    """--draft-leaves as a make_drafter option (the chain's only; refused with a draft tree)."""
+    n = getattr(args, "draft_leaves", None)
+    if n is None:
+        return {}
+    if n < 0:
+        raise HydraspecError("--draft-leaves must be >= 0")
+    if n and (widths or getattr(args, "tree", None)):
+        raise HydraspecError("--draft-leaves applies to the draft chain, not to --draft-tree or --tree")
+    return {"leaves": n}

@@ -188,7 +188,7 @@ def _engine(method: str):
                 raise HydraspecError("method 'draft' needs --draft-model")
             dm, dtok = ctx.draft
             conf = getattr(a, "draft_confidence", None)
-            from ..cli import leaves_option
+            from ..options import leaves_option
 
             leaves = leaves_option(a)  # refuses leaves with a tree
             if getattr(a, "tree", None):
