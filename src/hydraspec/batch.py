@@ -24,7 +24,6 @@ import copy
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -87,7 +86,7 @@ def available_memory(device) -> int | None:
     return None
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -242,13 +241,13 @@ class BatchGenerator:
         """Refuse (HydraspecError) a batch whose KV cache + verify logits exceed 90% of the free memory."""
         free = memory_limit if memory_limit is not None else available_memory(self.model.device)
         if free is None:
-            log.warning("cannot tell how much memory is free; not checking the %s KV cache", _gib(need))
+            log.warning("cannot tell how much memory is free; not checking the %s KV cache", gib(need))
             return
         if need + logits > MEMORY_HEADROOM * free:
             raise HydraspecError(
-                f"a batch of {rows} needs {_gib(need)} of KV cache ({rows} rows x capacity x "
+                f"a batch of {rows} needs {gib(need)} of KV cache ({rows} rows x capacity x "
                 f"{_text_config(self.model).num_hidden_layers} layers x K/V x kv heads x head dim x dtype) and "
-                f"{_gib(logits)} of verify logits, more than {int(MEMORY_HEADROOM * 100)}% of the {_gib(free)} "
+                f"{gib(logits)} of verify logits, more than {int(MEMORY_HEADROOM * 100)}% of the {gib(free)} "
                 f"free on {self.model.device}; use a smaller --batch-size or --max-new-tokens")
 
     # -- decoding -------------------------------------------------------------------------------
@@ -289,7 +288,7 @@ class BatchGenerator:
         rows = min(bs, len(order))
         need = self.estimate_bytes([len(all_ids[i]) for i in order[:rows]], max_new_tokens)
         self.check_memory(need, rows, memory_limit, self.logits_bytes(rows))
-        log.info("batched decoding: %d prompts, up to %d rows at a time; KV cache %s", len(all_ids), rows, _gib(need))
+        log.info("batched decoding: %d prompts, up to %d rows at a time; KV cache %s", len(all_ids), rows, gib(need))
 
         sampling = Sampling(temperature, top_k, top_p)
         results: list[GenerationResult | None] = [None] * len(all_ids)
@@ -841,50 +840,3 @@ def load_batch_trees(text: str | None) -> dict[int, list[list[int]]] | None:
         return {int(k): v for k, v in data.items()}
     except ValueError:
         raise HydraspecError(f"--batch-trees keys must be batch sizes (integers), got {list(data)}") from None
-
-
-def cmd_generate_batch(args) -> int:
-    """`hydraspec generate --prompt-file FILE --batch-size B`: every prompt of the file, B at a time."""
-    from .cli import build_drafter
-    from .models import load_draft_model, load_model
-
-    if args.batch_size < 1:
-        raise HydraspecError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.stream:
-        raise HydraspecError("--stream is not available with --batch-size")
-    prompts = read_prompt_lines(args.prompt_file) if args.prompt_file else [args.prompt]
-    if any(isinstance(p, str) and not p.strip() for p in prompts):
-        raise HydraspecError("the prompt is empty")
-    from .drafters import METHODS
-
-    if args.method not in METHODS:
-        raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method.startswith("pld+"):
-        raise HydraspecError(f"method '{args.method}' is not available with --batch-size; use pld or "
-                             f"{args.method[4:]} there")
-    if args.method == "draft" and not args.draft_model:
-        raise HydraspecError("method 'draft' needs --draft-model")
-    if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
-        raise HydraspecError(f"method '{args.method}' needs --heads DIR")
-    trees = load_batch_trees(getattr(args, "batch_trees", None))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device)
-    draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None)) \
-        if args.method == "draft" else None
-    drafter = build_drafter(args, tok, draft, model)
-    bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
-                        verify_budget=getattr(args, "verify_budget", None))
-    res = bg.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      stop=args.stop)
-    for i, r in enumerate(res):
-        s = r.stats
-        if args.json:
-            print(json.dumps({"index": i, "method": args.method, "model": args.model, "text": r.text,
-                              "token_ids": r.token_ids, "finish_reason": r.finish_reason, **s.to_dict()}))
-        else:
-            print(f"### {i}\n{r.text}\n")
-    print(f"[{args.method}] {len(res)} prompts, batch size {args.batch_size}: {res.new_tokens} tokens in "
-          f"{res.wall_s:.2f} s = {res.tokens_per_s:.2f} tokens/s; mean latency {res.mean_latency_s:.2f} s; "
-          f"{res.target_forwards} batched forwards; KV cache {_gib(res.cache_bytes)}", file=sys.stderr)
-    return 0

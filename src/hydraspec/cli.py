@@ -128,6 +128,55 @@ def _widths(text: str) -> list[int]:
     return w
 
 
+def cmd_generate_batch(args) -> int:
+    """`hydraspec generate --prompt-file FILE --batch-size B`: every prompt of the file, B at a time."""
+    import torch
+
+    from .batch import BatchGenerator, gib, load_batch_trees, read_prompt_lines
+    from .models import load_draft_model, load_model
+
+    if args.batch_size < 1:
+        raise HydraspecError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.stream:
+        raise HydraspecError("--stream is not available with --batch-size")
+    prompts = read_prompt_lines(args.prompt_file) if args.prompt_file else [args.prompt]
+    if any(isinstance(p, str) and not p.strip() for p in prompts):
+        raise HydraspecError("the prompt is empty")
+    from .drafters import METHODS
+
+    if args.method not in METHODS:
+        raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
+    if args.method.startswith("pld+"):
+        raise HydraspecError(f"method '{args.method}' is not available with --batch-size; use pld or "
+                             f"{args.method[4:]} there")
+    if args.method == "draft" and not args.draft_model:
+        raise HydraspecError("method 'draft' needs --draft-model")
+    if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
+        raise HydraspecError(f"method '{args.method}' needs --heads DIR")
+    trees = load_batch_trees(getattr(args, "batch_trees", None))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None)) \
+        if args.method == "draft" else None
+    drafter = build_drafter(args, tok, draft, model)
+    bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
+                        verify_budget=getattr(args, "verify_budget", None))
+    res = bg.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      stop=args.stop)
+    for i, r in enumerate(res):
+        s = r.stats
+        if args.json:
+            print(json.dumps({"index": i, "method": args.method, "model": args.model, "text": r.text,
+                              "token_ids": r.token_ids, "finish_reason": r.finish_reason, **s.to_dict()}))
+        else:
+            print(f"### {i}\n{r.text}\n")
+    print(f"[{args.method}] {len(res)} prompts, batch size {args.batch_size}: {res.new_tokens} tokens in "
+          f"{res.wall_s:.2f} s = {res.tokens_per_s:.2f} tokens/s; mean latency {res.mean_latency_s:.2f} s; "
+          f"{res.target_forwards} batched forwards; KV cache {gib(res.cache_bytes)}", file=sys.stderr)
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -137,8 +186,6 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens <= 0:
         raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if getattr(args, "batch_size", None) is not None:
-        from .batch import cmd_generate_batch
-
         return cmd_generate_batch(args)
     if args.prompt_file:
         try:
