@@ -54,6 +54,7 @@ __all__ = [
     "convert_gguf",
     "converted_dir",
     "gguf_cache_dir",
+    "gguf_file",
     "hydraspec_home",
     "is_complete",
     "list_models",
@@ -632,6 +633,17 @@ def pull(name: str, dtype: str = "bfloat16", progress: bool = True) -> Path:
     directory. Calling it again is cheap.
     """
     return _pull(name, dtype, progress, allow_download=True)
+
+
+def gguf_file(name_or_path: str) -> Path:
+    """The GGUF file behind a registry name (reassembled from the cached wheels if deleted) or a local
+    ``.gguf`` path; other models have none (HydraspecError)."""
+    if name_or_path in REGISTRY:
+        return _assemble_gguf(_spec(name_or_path), allow_download=False, progress=True)
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path.resolve()
+    raise HydraspecError(f"'{name_or_path}' is not a GGUF model (a registry name or a .gguf file)")
 
 
 def _pulled_dtypes(name: str) -> list[str]:

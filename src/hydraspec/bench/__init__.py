@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from . import llamacpp  # noqa: F401  (registers the llamacpp-* baselines)
 from .methods import METHODS, BenchContext, MethodSpec, Runner, TurnResult, parse_methods, register
 from .prompts import Question, load_prompt_file, load_questions
 from .runner import run_bench
@@ -77,6 +78,9 @@ def add_parser(subparsers):
                         "batch_results.json/.md and batch_throughput.png")
     p.add_argument("--batch-trees", help="with --batch-sizes, for medusa/hydra: JSON file or object "
                                          "{batch_size: tree paths} (the tree of the largest size <= active rows)")
+    p.add_argument("--llamacpp-args", metavar="'ARGS'",
+                   help="extra llama-server arguments for the llamacpp-* methods, one shell-quoted string "
+                        "(e.g. '--spec-draft-n-max 16 --spec-draft-p-min 0.8')")
     add_verify_budget_arg(p)
     p.set_defaults(func=_cmd)
     return p

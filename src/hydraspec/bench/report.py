@@ -103,6 +103,15 @@ def _table(summary: dict, key: str) -> list[str]:
     return lines
 
 
+def _speed_table(summary: dict) -> list[str]:
+    lines = ["| Method | TTFT s | Decode tok/s | Overall tok/s |", "|---|---:|---:|---:|"]
+    for m in summary["methods"]:
+        o = summary["table"][m]["overall"]
+        lines.append(f"| {m} | {_f(o.get('ttft_s'), 3)} | {_f(o.get('decode_tokens_per_s'), 1)} | "
+                     f"{_f(o['tokens_per_s'], 1)} |")
+    return lines
+
+
 def markdown(summary: dict, machine: dict, settings: dict) -> str:
     t = summary["temperature"]
     decoding = "greedy" if summary["greedy"] else f"temperature {t}, seed {summary.get('seed')}"
@@ -130,6 +139,18 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
             *_table(summary, "speedup_vs_hf_ar"),
             "",
         ] if "hf-ar" in summary["methods"] else []),
+        *([
+            "## Speedup over llamacpp-ar (llama.cpp plain decoding, same GGUF file)",
+            "",
+            *_table(summary, "speedup_vs_llamacpp_ar"),
+            "",
+        ] if "llamacpp-ar" in summary["methods"] else []),
+        "## Time to first token and decoding speed",
+        "",
+        "TTFT = mean seconds to the first new token (reading the prompt); decode = tokens/s after it.",
+        "",
+        *_speed_table(summary),
+        "",
         "## Tokens/s and mean accepted per category",
         "",
     ]

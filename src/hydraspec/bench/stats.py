@@ -8,6 +8,9 @@ A record is one (method, question) pair:
 Definitions (per category and overall, over a method's records):
     tokens/s        = total new tokens / total wall seconds
     mean accepted   = total new tokens / total target forwards (None when a method cannot report forwards)
+    ttft            = mean seconds to the first new token (the prompt's forward, prefill_s), per turn
+    decode tokens/s = new tokens after each turn's first / (wall seconds - prefill seconds): speed once the
+                      prompt is read (None when a method does not report its prefill time)
     speedup over B  = tokens/s of the method / tokens/s of B, both totalled over the questions that both
                       have records for (the same prompts); with identical answers this is B's total time
                       over the method's total time
@@ -18,7 +21,8 @@ Definitions (per category and overall, over a method's records):
 from __future__ import annotations
 
 SPLIT_KEYS = ("prefill_s", "draft_s", "verify_s", "accept_s")
-BASELINES = ("ar", "hf-ar")
+BASELINES = ("ar", "hf-ar", "llamacpp-ar")  # speedups are given over each of these present
+REFERENCES = ("ar", "hf-ar")  # whose answers the others are compared with, the first present
 
 
 def first_divergence(a, b) -> int | None:
@@ -34,7 +38,7 @@ def first_divergence(a, b) -> int | None:
 def reference_method(methods) -> str | None:
     """The method whose answers the others are compared with: 'ar' if present, else 'hf-ar', else None."""
     methods = list(methods)
-    for m in BASELINES:
+    for m in REFERENCES:
         if m in methods:
             return m
     return None
@@ -99,6 +103,10 @@ def totals(records) -> dict:
            "target_forwards": fw, "tokens_per_s": tokens_per_s(tok, wall), "mean_accepted": mean_accepted(tok, fw)}
     for k in SPLIT_KEYS:
         out[k] = sum(float(t[k]) for t in turns) if all(t.get(k) is not None for t in turns) else None
+    pre = out["prefill_s"]
+    out["ttft_s"] = pre / len(turns) if pre is not None and turns else None
+    decoded = tok - sum(1 for t in turns if int(t["new_tokens"]) > 0)
+    out["decode_tokens_per_s"] = tokens_per_s(decoded, wall - pre) if pre is not None else None
     return out
 
 
