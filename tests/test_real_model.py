@@ -80,3 +80,33 @@ def test_gguf_precision_speculation_equals_plain_decoding_on_smollm2():
         for drafter in drafters + [d for _, d in bundled_head_drafters(model)]:
             res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=96)
             assert res.token_ids == ref.token_ids, (drafter.name, prompt)
+
+
+def test_cheaper_draft_of_a_gguf_model_changes_nothing_but_speed_on_smollm2():
+    """A draft re-quantized to 4 bits from the file's own values (never from a bf16 copy) and cut to part of
+    its vocabulary: its tokens outside the cut are never proposed, and the answer is still plain decoding's."""
+    from hydraspec.draft_vocab import DraftVocabHead
+    from hydraspec.gguf_weights import _gguf_lib
+    from hydraspec.kernels import W4A8Linear
+    from hydraspec.models import load_draft_model, load_model
+
+    if _gguf_lib() is None:
+        pytest.skip("needs the native GGUF kernel")
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2-135m-instruct", quant="gguf", device="cpu", auto_pull=True)
+    draft, _ = load_draft_model("smollm2-135m-instruct", "bfloat16", "cpu", "w4a8", vocab=4096)
+    head = draft.get_output_embeddings()
+    assert isinstance(head, DraftVocabHead) and isinstance(head.sub, W4A8Linear)
+    assert isinstance(draft.model.layers[0].mlp.down_proj, W4A8Linear)
+    assert not isinstance(draft.model.embed_tokens.table, W4A8Linear)  # looked up, not re-quantized
+    kept = set(head.keep.tolist())
+    assert set(range(4096)) <= kept and tok.eos_token_id in kept and len(kept) < 4096 + 200
+    ar = SpeculativeGenerator(model, tok)
+    for prompt in PROMPTS:
+        ref = ar.generate(prompt, max_new_tokens=64)
+        res = SpeculativeGenerator(model, tok, make_drafter("draft", draft_model=draft)).generate(
+            prompt, max_new_tokens=64)
+        assert res.token_ids == ref.token_ids
+        assert res.stats.mean_accepted > 1.2  # the cheap draft still predicts
+        logits = draft(torch.tensor([ref.prompt_ids])).logits[0, -1]
+        assert torch.isinf(logits[4096:]).sum() == logits.shape[0] - len(kept)

@@ -10,7 +10,7 @@ import time
 from .errors import HydraspecError
 
 from .models import DEVICES, DTYPES
-from .options import add_draft_quant_arg, add_quant_arg, add_verify_budget_arg, leaves_option
+from .options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, leaves_option
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
@@ -33,6 +33,7 @@ def add_method_args(p) -> None:
     p.add_argument("--draft-model", help="smaller model with the same tokenizer (method 'draft')")
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
     add_draft_quant_arg(p)
+    add_draft_vocab_arg(p)
     p.add_argument("--no-dynamic", action="store_true", help="keep the draft length fixed at --draft-k")
     p.add_argument("--draft-tree", help="draft a tree instead of a chain: children per depth, e.g. 2,2,1")
     p.add_argument("--draft-confidence", type=float, default=None,
@@ -156,7 +157,8 @@ def cmd_generate_batch(args) -> int:
     trees = load_batch_trees(getattr(args, "batch_trees", None))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None)) \
+    draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
+                             vocab=getattr(args, "draft_vocab", None)) \
         if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
@@ -207,7 +209,8 @@ def cmd_generate(args) -> int:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant) \
+    draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
+                             vocab=getattr(args, "draft_vocab", None)) \
         if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
@@ -357,7 +360,8 @@ def cmd_build_tree(args) -> int:
 
         from .models import load_draft_model
 
-        draft, dtok = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant)
+        draft, dtok = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
+                             vocab=getattr(args, "draft_vocab", None))
         check_vocab(tok, dtok)
     gen = SpeculativeGenerator(model, tok)
     names = [f"{q.source}:{q.question_id}" for q in questions]
@@ -474,6 +478,7 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--heads", help="trained Medusa/Hydra heads directory")
     src.add_argument("--draft-model", help="draft model sharing the target's tokenizer (its top-k tree)")
     add_draft_quant_arg(b)
+    add_draft_vocab_arg(b)
     b.add_argument("--draft-confidence", default=None, metavar="P[,P...]|auto",
                    help="with --draft-model: the early stop (the draft's top probability below P ends a branch) "
                         "to grow, time and confirm the trees with; several, or 'auto' (0, 0.4, 0.6, 0.8, 0.9; "
@@ -516,6 +521,9 @@ def make_parser() -> argparse.ArgumentParser:
         add_bench = None
     if add_bench is not None:
         add_bench(sub)
+        from .bench.perplexity import add_parser as add_perplexity
+
+        add_perplexity(sub)
     return p
 
 

@@ -311,10 +311,16 @@ class GGUFLinear(nn.Module):
                          lv("d"), lv("sub_scale"), lv("dmin"), lv("sub_min"))
         return GGUFLinear(qw, None if self.bias32 is None else self.bias32[rows])
 
+    requantizable = True  # a draft model's GGUF weights may be re-quantized (kernels.quantize_w4a8 ...)
+
     @property
     def weight(self) -> torch.Tensor:
         """The whole weight dequantized to bf16 (a copy: for code that reads ``.weight`` rarely)."""
         return self.dequantized().to(torch.bfloat16)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.bias32
 
     # -- the product ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -520,8 +520,11 @@ def quantize_int8(model: nn.Module) -> int:
 def _swap_linears(model: nn.Module, make) -> int:
     todo = []
     for mod in model.modules():
+        if hasattr(mod, "num_embeddings"):  # an embedding's GGUF table: rows are looked up, not multiplied
+            continue
         for child_name, child in mod.named_children():
-            if type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu":
+            requant = type(child) in (nn.Linear, PackedLinear) or getattr(child, "requantizable", False)
+            if requant and child.weight.device.type == "cpu":
                 todo.append((mod, child_name, child))
     for parent, child_name, child in todo:
         setattr(parent, child_name, make(child))

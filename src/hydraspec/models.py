@@ -748,20 +748,28 @@ def quantize_draft(model, how: str | None):
     return model
 
 
-def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None):
+def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None,
+                     vocab: int | None = None):
     """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
     and quantise it as asked: ``gguf`` (or ``auto`` for a GGUF model on the CPU) keeps the file's precision,
-    the others re-quantise (:func:`quantize_draft`); returns ``(model, tokenizer)``."""
+    the others re-quantise (:func:`quantize_draft`; a GGUF model is re-quantised from the file's own values,
+    never from a bf16 copy). ``vocab``: draft over the first ``vocab`` token ids and the special ones only
+    (:mod:`hydraspec.draft_vocab`). Returns ``(model, tokenizer)``."""
     if quant in (None, "auto"):
         quant = resolve_quant("auto", name, device) if loader is None else "none"
-    if quant == "gguf":
-        return load_model(name, dtype=dtype, device=device, quant="gguf")
+    requant = quant not in ("gguf", "none")
     if loader is not None:
         model, tok = loader(name, dtype=dtype, device=device)
     else:  # quantising replaces every Linear: packing their bf16 weights first would be wasted (~1.5 s, 0.5B)
-        model, tok = load_model(name, dtype=dtype, device=device,
-                                prepack=False if quant not in (None, "none") else None)
-    quantize_draft(model, quant)
+        base = "gguf" if quant == "gguf" or (requant and resolve_quant("auto", name, device) == "gguf") else "none"
+        model, tok = load_model(name, dtype=dtype, device=device, quant=base, prepack=False if requant else None)
+    if vocab is not None:
+        from .draft_vocab import trim_draft_vocab
+
+        trim_draft_vocab(model, vocab, list(tok.all_special_ids) + list(_as_id_list(
+            getattr(model.generation_config, "eos_token_id", None))) + list(tok.added_tokens_decoder))
+    if requant:
+        quantize_draft(model, quant)
     return model, tok
 
 

@@ -22,6 +22,12 @@ def add_draft_quant_arg(p) -> None:
                         "bytes of int8); the output stays the target's")
 
 
+def add_draft_vocab_arg(p) -> None:
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="the draft model proposes only the first N token ids and the special tokens (its output "
+                        "layer shrinks to those rows; the output stays the target's; default: the whole vocabulary)")
+
+
 def add_verify_budget_arg(p) -> None:
     p.add_argument("--verify-budget", type=int, metavar="N",
                    help="with batching: at most N tokens per verify forward over the whole batch; each row's draft is "

@@ -12,7 +12,7 @@ from .prompts import Question, load_prompt_file, load_questions
 from .runner import run_bench
 from .stats import summarize
 from ..models import DEVICES, DTYPES
-from ..options import add_draft_quant_arg, add_quant_arg, add_verify_budget_arg
+from ..options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg
 
 DEFAULT_METHODS = "ar,pld,hf-ar,hf-pld"
 
@@ -70,6 +70,7 @@ def add_parser(subparsers):
                    help="greedy draft chain: up to N of the draft model's runner-up tokens as extra leaves "
                         "(default 0); method variant draft@leaves=N sets it for one method")
     add_draft_quant_arg(p)  # for draft and hf-assisted alike
+    add_draft_vocab_arg(p)
     p.add_argument("--pld-tokens", type=int, default=10,
                    help="most tokens prompt lookup proposes, ours and transformers' (default 10)")
     p.add_argument("--batch-sizes", metavar="1,2,4,...",

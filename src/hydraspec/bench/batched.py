@@ -98,7 +98,8 @@ def run_batch_bench(args, loader=None) -> int:
     if any(METHODS[m].needs_draft for m in methods):
         from ..models import load_draft_model
 
-        draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None), loader)
+        draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None), loader,
+                                 vocab=getattr(args, "draft_vocab", None))
     from ..batch import BatchGenerator, load_batch_trees
     from ..generator import SpeculativeGenerator, eos_ids
 

@@ -28,7 +28,7 @@ def settings_of(args) -> dict:
         "tree": getattr(args, "tree", None),
         "dtype": args.dtype, "device": args.device, "max_new_tokens": args.max_new_tokens,
         "temperature": float(args.temperature), "seed": args.seed, "draft_k": args.draft_k,
-        "draft_quant": getattr(args, "draft_quant", "none"),
+        "draft_quant": getattr(args, "draft_quant", "none"), "draft_vocab": getattr(args, "draft_vocab", None),
         "pld_tokens": args.pld_tokens, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
         "skip": getattr(args, "skip", 0),
         "categories": _split_list(args.categories), "methods": parse_methods(args.methods),
@@ -110,7 +110,7 @@ def run_bench(args, loader=None) -> int:
             from ..models import load_draft_model
 
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                                     loader)
+                                     loader, vocab=getattr(args, "draft_vocab", None))
         from ..generator import SpeculativeGenerator, eos_ids
 
         ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),

@@ -1,0 +1,67 @@
+"""A draft model's output layer cut to part of its vocabulary.
+
+The output layer of a small model with a large vocabulary is a large share of its cost per token (Qwen2.5's
+151,936 x 896 matrix is 28 % of the 0.5B's weights). FR-Spec (Zhao et al., 2025) drafts over a
+frequency-ranked subset of the vocabulary instead. Here the subset is the first N token ids, which BPE
+vocabularies order by merge rank (the frequent tokens first), plus every special token; the draft's logits
+for the other tokens are -inf, so it never proposes them. The target verifies every draft token, so this
+changes how many tokens are accepted, never the output (greedy or sampled: the draft distribution q that
+speculative sampling divides by is exactly the one drafted from).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import HydraspecError
+
+
+class DraftVocabHead(nn.Module):
+    """An output layer over the ids ``keep`` of a ``vocab``-sized vocabulary; full-size logits, -inf elsewhere."""
+
+    def __init__(self, sub: nn.Module, keep: torch.Tensor, vocab: int):
+        super().__init__()
+        self.sub, self.vocab = sub, vocab
+        self.register_buffer("keep", keep.to(torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.sub(x)
+        out = y.new_full((*y.shape[:-1], self.vocab), float("-inf"))
+        out.index_copy_(-1, self.keep, y)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{len(self.keep)} of {self.vocab} tokens"
+
+
+def kept_ids(size: int, vocab: int, special_ids) -> torch.Tensor:
+    """Ids 0 .. size-1 and the special ones, sorted."""
+    ids = set(range(min(size, vocab))) | {int(i) for i in special_ids if 0 <= int(i) < vocab}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def _rows(head: nn.Module, keep: torch.Tensor) -> nn.Module:
+    if hasattr(head, "select"):  # a GGUF-precision layer keeps the file's codes for those rows
+        return head.select(keep)
+    if isinstance(getattr(head, "weight", None), torch.Tensor) and hasattr(head, "in_features"):
+        lin = nn.Linear(head.in_features, len(keep), bias=head.bias is not None, dtype=head.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(head.weight[keep])
+            if head.bias is not None:
+                lin.bias.copy_(head.bias[keep])
+        return lin
+    raise HydraspecError(f"cannot cut the draft vocabulary of a {type(head).__name__} output layer")
+
+
+def trim_draft_vocab(model, size: int, special_ids) -> int:
+    """Replace ``model``'s output layer by a :class:`DraftVocabHead` over :func:`kept_ids`; returns how
+    many ids it keeps (the whole vocabulary: nothing changed)."""
+    head = model.get_output_embeddings()
+    vocab = head.out_features
+    if size < 1:
+        raise HydraspecError(f"--draft-vocab must be at least 1, got {size}")
+    keep = kept_ids(size, vocab, special_ids)
+    if len(keep) >= vocab:
+        return vocab
+    model.set_output_embeddings(DraftVocabHead(_rows(head, keep), keep, vocab))
+    return len(keep)
