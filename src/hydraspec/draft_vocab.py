@@ -15,6 +15,8 @@ from torch import nn
 
 from .errors import HydraspecError
 
+AUTO_CUT, AUTO_SIZE = 65536, 32768  # by default a vocabulary above AUTO_CUT ids drafts over AUTO_SIZE
+
 
 class DraftVocabHead(nn.Module):
     """An output layer over the ids ``keep`` of a ``vocab``-sized vocabulary; full-size logits, -inf elsewhere."""

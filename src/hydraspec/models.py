@@ -753,17 +753,26 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
     """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
     and quantise it as asked: ``gguf`` (or ``auto`` for a GGUF model on the CPU) keeps the file's precision,
     the others re-quantise (:func:`quantize_draft`; a GGUF model is re-quantised from the file's own values,
-    never from a bf16 copy). ``vocab``: draft over the first ``vocab`` token ids and the special ones only
-    (:mod:`hydraspec.draft_vocab`). Returns ``(model, tokenizer)``."""
+    never from a bf16 copy); ``auto`` is ``w4a8`` for a GGUF draft on the CPU with the native kernel.
+    ``vocab``: draft over the first ``vocab`` token ids and the special ones only (:mod:`hydraspec.draft_vocab`);
+    None: the auto cut of large vocabularies; 0: the whole vocabulary. Returns ``(model, tokenizer)``."""
     if quant in (None, "auto"):
         quant = resolve_quant("auto", name, device) if loader is None else "none"
+        if quant == "gguf":  # the measured fast default: 4-bit codes re-quantized from the file's values
+            from .kernels import int8_dot_lib
+
+            quant = "w4a8" if int8_dot_lib() is not None else "gguf"
     requant = quant not in ("gguf", "none")
     if loader is not None:
         model, tok = loader(name, dtype=dtype, device=device)
     else:  # quantising replaces every Linear: packing their bf16 weights first would be wasted (~1.5 s, 0.5B)
         base = "gguf" if quant == "gguf" or (requant and resolve_quant("auto", name, device) == "gguf") else "none"
         model, tok = load_model(name, dtype=dtype, device=device, quant=base, prepack=False if requant else None)
-    if vocab is not None:
+    if vocab is None:  # auto: cut large vocabularies (measured in BENCHMARKS.md)
+        from .draft_vocab import AUTO_CUT, AUTO_SIZE
+
+        vocab = AUTO_SIZE if model.get_output_embeddings().out_features > AUTO_CUT else 0
+    if vocab:
         from .draft_vocab import trim_draft_vocab
 
         trim_draft_vocab(model, vocab, list(tok.all_special_ids) + list(_as_id_list(

@@ -15,7 +15,8 @@ def add_quant_arg(p) -> None:
 
 def add_draft_quant_arg(p) -> None:
     p.add_argument("--draft-quant", choices=["auto", "gguf", "none", "int8", "w8a8", "w4a8"], default="auto",
-                   help="auto (default): the draft GGUF's own precision on the CPU (as --quant), else none; "
+                   help="auto (default): w4a8 from the file's own values for a GGUF draft on the CPU (gguf without the "
+                        "native kernel), else none; gguf: the draft GGUF's own precision; "
                         "int8: hold the draft model's weights as int8 (CPU; halves the bytes a draft token reads); w8a8: "
                         "int8 weights and activations, multiplied as integers (AVX512_VNNI, or AVX2; less "
                         "arithmetic); w4a8: 4-bit weights (groups of 64 inputs) and int8 activations (half the "
@@ -25,7 +26,8 @@ def add_draft_quant_arg(p) -> None:
 def add_draft_vocab_arg(p) -> None:
     p.add_argument("--draft-vocab", type=int, metavar="N",
                    help="the draft model proposes only the first N token ids and the special tokens (its output "
-                        "layer shrinks to those rows; the output stays the target's; default: the whole vocabulary)")
+                        "layer shrinks to those rows; the output stays the target's); 0: the whole vocabulary; default: 32768 "
+                        "for vocabularies above 65536 ids (Qwen2.5's 151936), else the whole")
 
 
 def add_verify_budget_arg(p) -> None:
