@@ -105,9 +105,12 @@ def run(args) -> int:
     text = path.read_text(encoding="utf-8")
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1)
     torch.set_num_threads(threads)
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    from ..models import resolve_device, resolve_quant
+
+    quant = resolve_quant(args.quant, args.model, resolve_device(args.device))
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=quant)
     ours = perplexity(model, tok, text, args.ctx, args.chunks)
-    print(f"hydraspec ({args.quant}, {args.dtype}): PPL = {ours.ppl:.4f} +/- {ours.stderr:.5f} over "
+    print(f"hydraspec (--quant {quant}, {args.dtype}): PPL = {ours.ppl:.4f} +/- {ours.stderr:.5f} over "
           f"{ours.tokens_scored} tokens in {ours.chunks} chunks of {args.ctx}")
     if args.llamacpp:
         from .llamacpp import binary_dir
