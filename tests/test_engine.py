@@ -411,6 +411,26 @@ def test_prompt_lookup_proposals():
         PromptLookupDrafter(num_tokens=0)
 
 
+def test_prompt_lookup_backs_off_after_rejections_and_looks_again():
+    from hydraspec.drafters.base import DecodeState
+    from hydraspec.sampling import Sampling
+
+    d = PromptLookupDrafter(num_tokens=3, max_ngram=2)
+    st = DecodeState(tokens=[1, 2, 3, 4, 9, 2, 3], prompt_len=7, sampling=Sampling())
+    d.start(st, 64)
+    seen = []
+    for _ in range(12):  # every proposal rejected
+        n = len(d.propose(st))
+        seen.append(n)
+        d.observe(st, [])
+    # three rejected proposals, rest 1, probe, rest 2, probe, rest 4, probe
+    assert [n > 0 for n in seen] == [True, True, True, False, True, False, False, True, False, False, False,
+                                     False]
+    d.propose(st)
+    d.observe(st, [0])  # ... rest over: a hit resets the back-off
+    assert d.misses == 0 and d.rest == 0 and len(d.propose(st)) > 0
+
+
 def test_draft_model_prefills_its_prompt_at_start(tok):
     """The draft model reads the prompt (all but the pending token) in start(), which the engine counts
     as prefill; the first proposal then feeds one token, and still drafts the draft model's own greedy

@@ -10,8 +10,13 @@ class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n-gram of
     prompt + output (n from max_ngram down to min_ngram) and propose the tokens that followed it.
     With `dynamic`, the proposal length follows the draft-model heuristic: +2 after a step that
-    accepted everything, -1 otherwise, between 1 and num_tokens. Deterministic (q is one-hot), so
-    lossless sampling stays exact."""
+    accepted everything, -1 otherwise, between 1 and num_tokens, and after BACKOFF proposals in a row
+    that were all rejected it proposes nothing for 1, 2, 4 ... (at most MAX_REST) steps before it looks
+    again, so that on text that never repeats it costs almost nothing over plain decoding (a rejected
+    proposal still costs a wider verify forward). Deterministic (q is one-hot), so lossless sampling
+    stays exact."""
+
+    BACKOFF, MAX_REST = 3, 16
 
     name = "pld"
 
@@ -23,15 +28,24 @@ class PromptLookupDrafter(Drafter):
         self.k = num_tokens
         self.proposed = 0
         self.max_nodes = num_tokens
+        self.misses = self.rest = 0
 
     def start(self, state: DecodeState, capacity: int) -> None:
         self.k = self.num_tokens
+        self.misses = self.rest = 0
 
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
         if self.dynamic and self.proposed:
             self.k = min(self.k + 2, self.num_tokens) if len(accepted) == self.proposed else max(1, self.k - 1)
+            self.misses = 0 if accepted else self.misses + 1
+            if self.misses >= self.BACKOFF:
+                self.rest = min(2 ** (self.misses - self.BACKOFF), self.MAX_REST)
 
     def propose(self, state: DecodeState) -> DraftTree:
+        if self.rest:
+            self.rest -= 1
+            self.proposed = 0
+            return DraftTree.empty()
         t = torch.tensor(state.tokens, dtype=torch.long)
         n_tok = t.numel()
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
