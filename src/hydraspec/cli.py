@@ -10,7 +10,8 @@ import time
 from .errors import HydraspecError
 
 from .models import DEVICES, DTYPES
-from .options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, leaves_option
+from .options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, leaves_option, \
+    thread_count
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
@@ -207,7 +208,7 @@ def cmd_generate(args) -> int:
         raise HydraspecError("method 'draft' needs --draft-model")
     if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
+    torch.set_num_threads(thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
                              vocab=getattr(args, "draft_vocab", None)) \
@@ -270,7 +271,7 @@ def cmd_train_heads(args) -> int:
         from .train.docprompts import module_prompts
 
         pairs += module_prompts(limit=args.docstring_prompts)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
+    torch.set_num_threads(thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     out = args.out
     data = args.data or os.path.join(out, "answers.jsonl")
@@ -348,7 +349,7 @@ def cmd_build_tree(args) -> int:
     questions = load_questions(args.prompts, limit=args.limit, skip=args.skip)
     if not questions:
         raise HydraspecError("no calibration prompts in " + ", ".join(args.prompts))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
+    torch.set_num_threads(thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     heads = draft = heads_cfg = None
     if args.heads:
@@ -361,7 +362,7 @@ def cmd_build_tree(args) -> int:
         from .models import load_draft_model
 
         draft, dtok = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
-                             vocab=getattr(args, "draft_vocab", None))
+                                       vocab=getattr(args, "draft_vocab", None))
         check_vocab(tok, dtok)
     gen = SpeculativeGenerator(model, tok)
     names = [f"{q.source}:{q.question_id}" for q in questions]

@@ -2,8 +2,15 @@
 so that the tools under the command line need not import it."""
 from __future__ import annotations
 
+import os
+
 from .errors import HydraspecError
 from .models import QUANTS
+
+
+def thread_count() -> int:
+    """Threads the commands compute with: $OMP_NUM_THREADS if set, else every core."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1)
 
 
 def add_quant_arg(p) -> None:

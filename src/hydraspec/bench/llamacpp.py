@@ -18,7 +18,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
+
+import torch
 
 from ..errors import HydraspecError
 from .methods import BenchContext, MethodSpec, Runner, TurnResult, register
@@ -35,12 +38,18 @@ def binary_dir() -> Path:
     return home / "llama.cpp" / "build" / "bin"
 
 
-def server_binary() -> Path:
-    path = binary_dir() / SERVER
+def tool(name: str) -> Path:
+    """One of llama.cpp's built tools (llama-server, llama-perplexity ...), or a HydraspecError saying how to
+    build it."""
+    path = binary_dir() / name
     if not path.is_file() or not os.access(path, os.X_OK):
-        raise HydraspecError(f"the llamacpp-* methods need llama.cpp's {SERVER}, not found at {path}; build it with "
-                             "scripts/build_llamacpp.sh or point HYDRASPEC_LLAMACPP_BIN at its directory")
+        raise HydraspecError(f"llama.cpp's {name} is not at {path}; build it with scripts/build_llamacpp.sh or "
+                             "point HYDRASPEC_LLAMACPP_BIN at its directory")
     return path
+
+
+def server_binary() -> Path:
+    return tool(SERVER)
 
 
 def server_command(binary, model: str, threads: int, port: int, kind: str, draft: str | None = None,
@@ -83,7 +92,6 @@ def turn_result(reply: dict, prompt_tokens: int, wall_s: float, eos: list[int], 
     prompt_s = float(timings["prompt_ms"]) / 1000 if "prompt_ms" in timings else None
     return TurnResult(token_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
                       wall_s=wall_s, prompt_tokens=prompt_tokens, prefill_s=prompt_s)
-    return r
 
 
 def _free_port() -> int:
@@ -156,7 +164,7 @@ class LlamaCppRunner(Runner):
         a = ctx.args
         model = str(gguf_file(a.model))
         draft = str(gguf_file(a.draft_model)) if kind == "draft" else None
-        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1)
+        threads = torch.get_num_threads()  # the bench's own (bench/runner.py sets it)
         cmd = server_command(server_binary(), model, threads, 0, kind, draft, getattr(a, "llamacpp_args", None))
         self.server = LlamaServer(cmd, Path(a.out) / f"llamacpp-{kind}.log")
         self.tok, self.eos = ctx.tokenizer, sorted(ctx.eos)
@@ -172,6 +180,6 @@ class LlamaCppRunner(Runner):
 for _kind, _help in (("ar", "llama.cpp's llama-server on the same GGUF file, plain decoding"),
                      ("draft", "llama.cpp's llama-server with --draft-model's GGUF as draft (its default settings)"),
                      ("ngram", "llama.cpp's llama-server with n-gram speculation (--spec-type ngram-simple)")):
-    register(MethodSpec(f"llamacpp-{_kind}", (lambda kind: lambda ctx: LlamaCppRunner(ctx, kind))(_kind), _help,
+    register(MethodSpec(f"llamacpp-{_kind}", partial(LlamaCppRunner, kind=_kind), _help,
                         needs_draft=_kind == "draft",
                         settings=("llamacpp_args",) + (("draft_model",) if _kind == "draft" else ())))

@@ -95,30 +95,24 @@ def llamacpp_perplexity(binary: Path, gguf: Path, text_file: Path, ctx: int, chu
 
 
 def run(args) -> int:
-    import os
-
-    from ..models import gguf_file, load_model
+    from ..models import gguf_file, load_model, resolve_device, resolve_quant
+    from ..options import thread_count
 
     path = Path(args.text)
     if not path.is_file():
         raise HydraspecError(f"--text {path}: no such file")
     text = path.read_text(encoding="utf-8")
-    threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1)
+    threads = thread_count()
     torch.set_num_threads(threads)
-    from ..models import resolve_device, resolve_quant
-
     quant = resolve_quant(args.quant, args.model, resolve_device(args.device))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=quant)
     ours = perplexity(model, tok, text, args.ctx, args.chunks)
     print(f"hydraspec (--quant {quant}, {args.dtype}): PPL = {ours.ppl:.4f} +/- {ours.stderr:.5f} over "
           f"{ours.tokens_scored} tokens in {ours.chunks} chunks of {args.ctx}")
     if args.llamacpp:
-        from .llamacpp import binary_dir
+        from .llamacpp import tool
 
-        binary = binary_dir() / "llama-perplexity"
-        if not binary.is_file():
-            raise HydraspecError(f"llama-perplexity not found at {binary}; build it with scripts/build_llamacpp.sh")
-        theirs = llamacpp_perplexity(binary, gguf_file(args.model), path, args.ctx, args.chunks, threads)
+        theirs = llamacpp_perplexity(tool("llama-perplexity"), gguf_file(args.model), path, args.ctx, args.chunks, threads)
         print(f"llama.cpp llama-perplexity: PPL = {theirs.ppl:.4f} +/- {theirs.stderr:.5f} over {theirs.chunks} "
               f"chunks")
         print(f"ratio hydraspec / llama.cpp: {ours.ppl / theirs.ppl:.4f} ({100 * (ours.ppl / theirs.ppl - 1):+.2f} %)")

@@ -1,12 +1,12 @@
 """The benchmark loop: every method answers every (question, turn) back to back, after one warm-up each."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 from ..errors import HydraspecError
+from ..options import thread_count
 from . import report, stats
 from .methods import METHODS, BenchContext, method_settings, parse_methods
 from .prompts import load_questions
@@ -100,7 +100,7 @@ def run_bench(args, loader=None) -> int:
 
     device = args.device
     if pending:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1))
+        torch.set_num_threads(thread_count())
         load = loader or default_loader(args)
         model, tok = load(args.model, dtype=args.dtype, device=args.device)
         device = str(model.device)
