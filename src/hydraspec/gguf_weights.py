@@ -8,7 +8,8 @@ Every supported type is one of two forms over groups of G inputs of one output r
 
 ``scale`` and ``min`` are the file's fp16 block scales times its 6-/8-bit sub-block scales, computed in
 float32 as gguf-py computes them, so :meth:`QuantWeight.dequantize` equals ``gguf.dequantize`` bit for bit.
-4- and 5-bit ... 8-bit codes are kept as 4-bit (two a byte) or 8-bit codes.
+Codes are kept at 4 bits (two a byte: Q4_K, Q4_1, Q4_0), 6 bits (four bits two a byte plus the top two
+four a byte: Q6_K and the 5-bit types) or 8 bits (Q8_0).
 
 :class:`GGUFLinear` multiplies with the native kernel (``hs_linear_gguf``: int8 activations per row and group
 of G, as llama.cpp quantises them per block, exact integer sums per group). Without it, the same
@@ -33,7 +34,7 @@ PACK_BLOCK = 32
 
 @dataclass
 class QuantWeight:
-    """One GGUF matrix [rows, cols] as codes (uint8, one per weight), ``bits`` kept (4 or 8), group size,
+    """One GGUF matrix [rows, cols] as codes (uint8, one per weight), ``bits`` kept (4, 6 or 8), group size,
     fp32 ``scale`` [rows, cols/group] and ``min`` (same shape) or integer zero point ``zero``."""
 
     codes: np.ndarray
@@ -88,11 +89,11 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(b):
-    return _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4), 8, 32, _f16(b[:, :2]), None, 16
+    return _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4), 6, 32, _f16(b[:, :2]), None, 16
 
 
 def _q5_1(b):
-    return _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4), 8, 32, _f16(b[:, :2]), -_f16(b[:, 2:4]), 0
+    return _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4), 6, 32, _f16(b[:, :2]), -_f16(b[:, 2:4]), 0
 
 
 def _k_scales(b):
@@ -124,7 +125,7 @@ def _q5_k(b):
     qh, qs = b[:, 16:48], b[:, 48:176].reshape(n, 4, 32)
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    return _two_level((low | (high << 4)).reshape(n, 256), 8, 32, d, sc, dmin, m)
+    return _two_level((low | (high << 4)).reshape(n, 256), 6, 32, d, sc, dmin, m)
 
 
 def _q6_k(b):
@@ -133,7 +134,7 @@ def _q6_k(b):
     low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     codes = low.reshape(n, 2, 4, 32) | (high.reshape(n, 2, 4, 32) << 4)
-    return _two_level(codes.reshape(n, 256), 8, 16, d, sc.copy().view(np.int8))
+    return _two_level(codes.reshape(n, 256), 6, 16, d, sc.copy().view(np.int8))
 
 
 # type name -> (values per block, bytes per block, decoder of [n_blocks, bytes] -> codes [n, values], ...)
@@ -207,7 +208,7 @@ class GGUFLinear(nn.Module):
         if inf % 4 or self.group % 4 or inf % self.group:
             raise HydraspecError(f"GGUF weight [{out} x {inf}] with groups of {self.group} does not fit the kernel")
         nblk, ng = (out + PACK_BLOCK - 1) // PACK_BLOCK, inf // self.group
-        width = PACK_BLOCK // 2 if self.bits == 4 else PACK_BLOCK
+        width = PACK_BLOCK if self.bits == 8 else PACK_BLOCK // 2
         two = qw.d is not None
         self.per_d = ng // qw.d.shape[1] if two else 0  # groups per super-block scale
         nsb = qw.d.shape[1] if two else 0
@@ -215,6 +216,8 @@ class GGUFLinear(nn.Module):
         def buf(name, present, k, dtype):
             self.register_buffer(name, torch.zeros(nblk, k, PACK_BLOCK, dtype=dtype) if present else None)
         self.register_buffer("qweight", torch.zeros(nblk, inf // 4, width, 4, dtype=torch.uint8))
+        self.register_buffer("qhigh", torch.zeros(nblk, inf // 4, PACK_BLOCK, dtype=torch.uint8)
+                             if self.bits == 6 else None)
         buf("scale", not two, ng, torch.float32)
         buf("minimum", not two and qw.min is not None, ng, torch.float32)
         buf("d", two, nsb, torch.float32)
@@ -231,9 +234,14 @@ class GGUFLinear(nn.Module):
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad, inf)])
         cb = codes.view(-1, PACK_BLOCK, inf // 4, 4).permute(0, 2, 1, 3)  # [blocks, in/4, 32, 4]
-        if self.bits == 4:
-            cb = cb[:, :, :16] | (cb[:, :, 16:] << 4)
         nb = cb.shape[0]
+        if self.bits == 6:  # the top two bits: see hs_gguf.h
+            top = (cb >> 4).reshape(nb, inf // 4, 2, 64)
+            self.qhigh[b0:b0 + nb] = top[:, :, 0, :32] | (top[:, :, 0, 32:] << 2) | (top[:, :, 1, :32] << 4) | \
+                (top[:, :, 1, 32:] << 6)
+            cb = cb & 15
+        if self.bits != 8:
+            cb = cb[:, :, :16] | (cb[:, :, 16:] << 4)
         self.qweight[b0:b0 + nb] = cb
         sources = {"scale": qw.scale, "minimum": qw.min, "d": qw.d, "sub_scale": qw.sub_scale, "dmin": qw.dmin,
                    "sub_min": qw.sub_min}
@@ -269,9 +277,14 @@ class GGUFLinear(nn.Module):
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The codes (uint8) of output rows ``rows`` (default all) as [len(rows), in]."""
         rows, blk, k = self._rows(rows)
-        if self.bits == 4:
+        if self.bits != 8:
             byte = self.qweight[blk, :, k % 16]  # [n, in/4, 4]
             c = torch.where((k >= 16)[:, None, None], byte >> 4, byte & 15)
+            if self.bits == 6:
+                lane = 4 * (k % 16)[:, None] + torch.arange(4)  # [n, 4]
+                shift = 4 * (k >= 16)[:, None].to(torch.uint8) + 2 * (lane >= 32).to(torch.uint8)
+                top = self.qhigh[blk[:, None], :, lane % 32].permute(0, 2, 1)  # [n, in/4, 4]
+                c = c | (((top >> shift[:, None, :]) & 3) << 4)
         else:
             c = self.qweight[blk, :, k]
         return c.reshape(len(rows), self.in_features)
@@ -333,10 +346,10 @@ class GGUFLinear(nn.Module):
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
             b = self._buffers
             ptr = [None if b[n] is None else b[n].data_ptr()
-                   for n in ("scale", "minimum", "d", "sub_scale", "dmin", "sub_min", "bias32")]
-            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], self.in_features, b["qweight"].data_ptr(), *ptr[:6],
+                   for n in ("qhigh", "scale", "minimum", "d", "sub_scale", "dmin", "sub_min", "bias32")]
+            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], self.in_features, b["qweight"].data_ptr(), *ptr[:7],
                                   self.per_d, self.zero, self.group, self.bits, self.out_features, y.data_ptr(),
-                                  ptr[6], torch.get_num_threads()):
+                                  ptr[7], torch.get_num_threads()):
                 raise MemoryError("hydraspec CPU kernel: out of memory")
             return y.view(*shape[:-1], self.out_features)
         return self.reference(x)

@@ -143,7 +143,7 @@ def build_native(isa: str):
     lib.hs_attention.restype = ctypes.c_int
     lib.has_gguf = hasattr(lib, "hs_linear_gguf")
     if lib.has_gguf:
-        lib.hs_linear_gguf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 7 + \
+        lib.hs_linear_gguf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 8 + \
                                       [ctypes.c_int64] * 5 + \
                                       [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.hs_linear_gguf.restype = ctypes.c_int

@@ -224,7 +224,7 @@ VNNI static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64
                         const float* sb, const float* sx, uint16_t* y, int64_t out, int64_t o0, int64_t width, \
                         const float* bias) { \
     __m512 f0[N], f1[N]; \
-    const __m512i lo = _mm512_set1_epi8(0x0f); \
+    const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30); \
     _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
     for (int64_t p0 = 0, g = 0; p0 < in4; p0 += g4, g++) { \
         __m512i a0[N], a1[N]; \
@@ -280,7 +280,8 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
     const float* sx = q->sx + j0 * ng; \
     const int32_t* xs = q->xs + j0 * ng; \
     const float* mxs = q->mxs + j0 * ng; \
-    const uint8_t* wb = c->wq + (size_t)(b * in4 * 16 * B); \
+    const uint8_t* wb = c->wq + (size_t)(b * in4 * (B == 8 ? 128 : 64)); \
+    const uint8_t* hb = B == 6 ? c->wh + (size_t)(b * in4 * 32) : NULL; \
     const int two = c->sc == NULL; /* K-quants: d * sub-scale */ \
     const int64_t nsb = two ? ng / c->per_d : 0; \
     const float* sb = two ? NULL : c->sc + (size_t)(b * ng * OB); \
@@ -290,7 +291,7 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
     const float* db = two ? c->d + (size_t)(b * nsb * OB) : NULL; \
     const float* dmb = M && two ? c->dmin + (size_t)(b * nsb * OB) : NULL; \
     __m512 d0 = _mm512_setzero_ps(), d1 = d0, dm0 = d0, dm1 = d0; \
-    const __m512i lo = _mm512_set1_epi8(0x0f); \
+    const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30); \
     __m512 f0[N], f1[N]; \
     _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
     for (int64_t g = 0; g < ng; g++) { \
@@ -298,8 +299,12 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
         _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
         for (int64_t p = g * g4; p < (g + 1) * g4; p++) { \
             __m512i w0, w1; \
-            if (B == 4) { __m512i v = _mm512_loadu_si512(wb + p * 64); \
-                w0 = _mm512_and_si512(v, lo); w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo); } \
+            if (B != 8) { __m512i v = _mm512_loadu_si512(wb + p * 64); \
+                w0 = _mm512_and_si512(v, lo); w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo); \
+                if (B == 6) { __m256i h = _mm256_loadu_si256((const __m256i*)(hb + p * 32)); \
+                    __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1); \
+                    w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top)); \
+                    w1 = _mm512_or_si512(w1, _mm512_and_si512(hv, top)); } } \
             else { w0 = _mm512_loadu_si512(wb + p * 128); w1 = _mm512_loadu_si512(wb + p * 128 + 64); } \
             _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
                 a0[j] = _mm512_dpbusd_epi32(a0[j], w0, xv); a1[j] = _mm512_dpbusd_epi32(a1[j], w1, xv); } \
@@ -334,23 +339,25 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
         gguf_store(buf, c->y + (j0 + j) * c->out + o0, o0, width, c->bias); } \
 }
 #define DEFG_ALL(B, M) DEFG(1, B, M) DEFG(2, B, M) DEFG(3, B, M) DEFG(4, B, M) DEFG(5, B, M) DEFG(6, B, M)
-DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(8, 0) DEFG_ALL(8, 1)
+DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(6, 0) DEFG_ALL(6, 1) DEFG_ALL(8, 0) DEFG_ALL(8, 1)
 typedef void (*gfn)(const gguf_call*, const gguf_rows*, int64_t, int64_t);
 static const gfn G40[NBG + 1] = {0, g40_1, g40_2, g40_3, g40_4, g40_5, g40_6};
 static const gfn G41[NBG + 1] = {0, g41_1, g41_2, g41_3, g41_4, g41_5, g41_6};
+static const gfn G60[NBG + 1] = {0, g60_1, g60_2, g60_3, g60_4, g60_5, g60_6};
+static const gfn G61[NBG + 1] = {0, g61_1, g61_2, g61_3, g61_4, g61_5, g61_6};
 static const gfn G80[NBG + 1] = {0, g80_1, g80_2, g80_3, g80_4, g80_5, g80_6};
 static const gfn G81[NBG + 1] = {0, g81_1, g81_2, g81_3, g81_4, g81_5, g81_6};
 
 static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr) {
     int m = c->mn != NULL || c->dmin != NULL;
-    const gfn* t = c->bits == 4 ? (m ? G41 : G40) : (m ? G81 : G80);
+    const gfn* t = c->bits == 4 ? (m ? G41 : G40) : c->bits == 6 ? (m ? G61 : G60) : (m ? G81 : G80);
     t[nr](c, q, b, j0);
 }
 
 /* x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16. 0, or -1 when out of memory. */
-int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const float* sc, const float* mn,
-                   const float* d, const int8_t* ssc, const float* dmin, const int8_t* smn, int64_t per_d,
+int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const uint8_t* wh, const float* sc,
+                   const float* mn, const float* d, const int8_t* ssc, const float* dmin, const int8_t* smn, int64_t per_d,
                    int64_t zero, int64_t G, int64_t bits, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    gguf_call c = {in, out, G, bits, zero, per_d, wq, sc, mn, d, ssc, dmin, smn, y, bias};
+    gguf_call c = {in, out, G, bits, zero, per_d, wq, wh, sc, mn, d, ssc, dmin, smn, y, bias};
     return run_gguf(xb, n, NBG, &c, g_tile, nthreads);
 }

@@ -10,7 +10,10 @@
    in fp32 as gguf-py does.
 
    Packed weights: 4-bit [ceil(out/32)][in/4][16][4] bytes (byte 4k+t of step p: input 4p+t of output k in the
-   low nibble, of output k+16 in the high one); 8-bit [ceil(out/32)][in/4][32][4]. Scales and mins:
+   low nibble, of output k+16 in the high one); 8-bit [ceil(out/32)][in/4][32][4]; 6-bit (codes below 64)
+   the 4-bit layout of the low four bits plus [ceil(out/32)][in/4][32] bytes of the top two: with lane L
+   (0..63) standing for byte L of the low nibbles, byte i holds lane i's and lane i+32's top bits of the low
+   nibble's output (bits 0-1, 2-3) and of the high nibble's output (bits 4-5, 6-7). Scales and mins:
    [ceil(out/32)][in/G][32] fp32 (sub-scales int8, d and dmin [ceil(out/32)][in/G/per_d][32] fp32). */
 #ifndef HS_GGUF_H
 #define HS_GGUF_H
@@ -60,10 +63,11 @@ static int make_gguf_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t G, 
     return 0;
 }
 
-/* One GGUF-precision call: bits 4 or 8; mn NULL for the zero-point form */
+/* One GGUF-precision call: bits 4, 6 or 8; mn NULL for the zero-point form */
 typedef struct {
     int64_t in, out, G, bits, zero, per_d;
     const uint8_t* wq;
+    const uint8_t* wh; /* 6-bit: the top two bits */
     const float* sc;
     const float* mn;
     const float* d;
