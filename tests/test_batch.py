@@ -286,7 +286,7 @@ def test_text_prompts_and_tree_per_batch_size(tok):
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (1.0, 0), (1.0, 1)])
 def test_batched_head_proposals_equal_per_row_proposals(kind, temperature, top_k):
-    from hydraspec.batch import propose_heads_batched
+    from hydraspec.engine import propose_heads_batched
     from hydraspec.drafters.base import DecodeState
     from hydraspec.sampling import Sampling
 

@@ -395,6 +395,38 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def cmd_serve(args) -> int:
+    """`hydraspec serve`: an OpenAI-compatible server on the engine."""
+    import torch
+
+    from .batch import BatchGenerator
+    from .drafters import METHODS
+    from .models import load_draft_model, load_model
+
+    if args.method not in METHODS:
+        raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
+    if args.method.startswith("pld+"):
+        raise HydraspecError(f"method '{args.method}' is not available in the server yet; use pld or "
+                             f"{args.method[4:]}")
+    try:
+        from .serve.server import build_server, run
+    except ImportError as e:
+        raise HydraspecError(f"hydraspec serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") \
+            from None
+    torch.set_num_threads(args.threads or thread_count())
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
+                             vocab=getattr(args, "draft_vocab", None)) if args.method == "draft" else None
+    drafter = build_drafter(args, tok, draft, model)
+    bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
+    app, _, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
+                             max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
+                             adaptive=not args.no_adaptive, say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
+    print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    run(app, args.host, args.port)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hydraspec", description="Exact speculative decoding for Hugging Face causal LMs.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -506,6 +538,27 @@ def make_parser() -> argparse.ArgumentParser:
                    help="with --select measure: also time verify steps of B rows and choose a tree per batch "
                         "size (tree.json by_batch; pass the file to --batch-trees)")
     b.set_defaults(func=cmd_build_tree)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching, adaptive speculation)")
+    add_model_args(s)
+    s.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++")
+    add_method_args(s)
+    s.add_argument("--acceptor", default="auto", choices=ACCEPTOR_CHOICES,
+                   help="auto: greedy at temperature 0, else lossless; typical does not preserve the distribution")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
+    s.add_argument("--max-context", type=int, default=None,
+                   help="prompt + answer tokens per request (default: the model's, at most 4096); the KV cache "
+                        "for --max-batch rows of it is allocated at start-up")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running rows before "
+                                                             "new ones get 429 (default 64)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    s.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--no-adaptive", action="store_true",
+                   help="draft the drafter's full length at every batch size (default: the adaptive rule)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the default model answering with and without speculation")
     d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

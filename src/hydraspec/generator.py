@@ -194,7 +194,7 @@ class SpeculativeGenerator:
 
             q = tree.q
             if q is not None and q.shape[-1] != logits.shape[-1]:
-                q = _fit_vocab(q, logits.shape[-1])
+                q = fit_vocab(q, logits.shape[-1])
             acc: Acceptance = accept(shape, node_ids.tolist(), logits, q=q, sampling=sampling,
                                      generator=gen, **(self.typical if accept_name == "typical" else {}))
             cache.keep(L, torch.tensor(acc.path, dtype=torch.long, device=dev))
@@ -213,7 +213,7 @@ class SpeculativeGenerator:
             new.extend(emitted)
             if stop_strings:
                 n_before = len(new) - len(emitted)
-                hit = _stop_at(self.tokenizer, new, n_before, stop_strings)
+                hit = stop_at(self.tokenizer, new, n_before, stop_strings)
                 if hit is not None:
                     del new[hit:]
                     emitted = emitted[: max(0, hit - n_before)]
@@ -239,7 +239,7 @@ class SpeculativeGenerator:
         stats.wall_s = time.perf_counter() - t_start
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         if finish == "stop":
-            text = _trim_after_stop(text, stop_strings)
+            text = trim_after_stop(text, stop_strings)
         return GenerationResult(text=text, token_ids=new, prompt_ids=ids, stats=stats, finish_reason=finish)
 
     def generate_batch(self, prompts=None, *, trees: dict | None = None, verify_budget: int | None = None, **kwargs):
@@ -253,13 +253,13 @@ class SpeculativeGenerator:
         return bg.generate(prompts, **kwargs)
 
 
-def _fit_vocab(q: torch.Tensor, v: int) -> torch.Tensor:
+def fit_vocab(q: torch.Tensor, v: int) -> torch.Tensor:
     if q.shape[-1] > v:
         return q[:, :v]
     return torch.nn.functional.pad(q, (0, v - q.shape[-1]))
 
 
-def _stop_at(tokenizer, new: list[int], n_before: int, stops: list[str]) -> int | None:
+def stop_at(tokenizer, new: list[int], n_before: int, stops: list[str]) -> int | None:
     """Smallest token count (> n_before) whose decoded text contains a stop string, or None."""
     if not any(s in tokenizer.decode(new, skip_special_tokens=True) for s in stops):
         return None
@@ -270,6 +270,6 @@ def _stop_at(tokenizer, new: list[int], n_before: int, stops: list[str]) -> int 
     return None
 
 
-def _trim_after_stop(text: str, stops: list[str]) -> str:
+def trim_after_stop(text: str, stops: list[str]) -> str:
     ends = [text.find(s) + len(s) for s in stops if s in text]
     return text[: min(ends)] if ends else text

@@ -273,11 +273,11 @@ class DraftModelDrafter(Drafter):
         if greedy:
             return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
         if not all(drawn):  # fewer tokens with nonzero probability than children: cut the tree
-            from .heads import _prefix_closed, _reindex
+            from .heads import prefix_closed, reindex
 
-            keep = _prefix_closed(parents, {i for i in range(n) if drawn[i]})
+            keep = prefix_closed(parents, {i for i in range(n) if drawn[i]})
             self.n_fed = 0  # indices change: keep nothing of this tree in the draft cache
-            return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.long), _reindex(parents, keep),
+            return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.long), reindex(parents, keep),
                              torch.stack([qrows[i] for i in keep]) if keep else None)
         return DraftTree(torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qrows))
 

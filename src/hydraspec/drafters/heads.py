@@ -118,14 +118,14 @@ class HeadDrafter(PrefixInput, Drafter):
         if not greedy:
             drawn = [i for i in range(n) if qrows[i] is not None]
             if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
-                keep = _prefix_closed(self.parents, set(drawn))
-                return DraftTree(torch.tensor([tokens[i] for i in keep]), _reindex(self.parents, keep),
+                keep = prefix_closed(self.parents, set(drawn))
+                return DraftTree(torch.tensor([tokens[i] for i in keep]), reindex(self.parents, keep),
                                  torch.stack([qrows[i] for i in keep]) if keep else None)
             return DraftTree(torch.tensor(tokens), self.parents, torch.stack(qrows))
         return DraftTree(torch.tensor(tokens), self.parents)
 
 
-def _prefix_closed(parents, present: set[int]) -> list[int]:
+def prefix_closed(parents, present: set[int]) -> list[int]:
     keep = []
     for i, p in enumerate(parents):
         if i in present and (p < 0 or p in keep):
@@ -133,6 +133,6 @@ def _prefix_closed(parents, present: set[int]) -> list[int]:
     return keep
 
 
-def _reindex(parents, keep: list[int]) -> tuple[int, ...]:
+def reindex(parents, keep: list[int]) -> tuple[int, ...]:
     pos = {old: new for new, old in enumerate(keep)}
     return tuple(-1 if parents[i] < 0 else pos[parents[i]] for i in keep)

@@ -1,0 +1,625 @@
+"""The decoding engine: many sequences share every target forward, each accepts on its own, and sequences
+join and leave at step boundaries (continuous batching).
+
+Layout. One SpecCache holds up to ``rows`` rows. Row b's cache content lives at slots [0, L_b)
+(left-aligned, its own length L_b); slots [L_b, W) of a shorter row are a masked gap, where W = max_b L_b
+is the shared write pointer. One verify forward writes every row's verify tree (pending token + drafts,
+padded to the largest tree in the batch with dummy nodes) at slots [W, W + N) and sees a 4D additive mask
+per row: a node attends to its row's [0, L_b) and to its own tree ancestors; dummy nodes see only
+themselves, nobody sees them, and they are never accepted. Position ids are per row: L_b + depth. After
+acceptance each row moves its own accepted path from W + path to L_b + i (one gather/scatter per layer
+for the whole batch) and L_b grows by the path length. Rows that finish (EOS, token budget, stop string,
+cancellation) leave the cache and later forwards at once; a waiting request takes a free row at the next
+step: it is prefilled on its own and joins that step. The caches are allocated once, for ``rows`` rows of
+``capacity`` slots, and reused.
+
+Guarantee: every request's output is what it would be decoded alone (greedy: token for token; sampling:
+the same distribution, and with its own seed the same draws), whatever runs beside it. Each request
+carries its own sampling settings, token budget and stop strings.
+
+Drafters are per-sequence objects, so every row gets its own shallow copy of the drafter (models and
+heads are shared, per-sequence state is not). Two drafters are batched across rows: draft-model chains
+(_BatchDraft: one B-row draft cache in the same layout, one draft forward per depth) and Medusa/Hydra
+heads (propose_heads_batched: one heads call per depth). A Medusa/Hydra drafter can use a different
+static tree per number of active rows (``trees={batch_size: paths}``).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .accept import ACCEPTORS
+from .cache import new_cache
+from .drafters.base import DecodeState, Drafter, NoDrafter
+from .errors import HydraspecError
+from .generator import GenerationResult, Stats, fit_vocab, stop_at, trim_after_stop
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.heads import HeadDrafter, prefix_closed, reindex
+from .sampling import Sampling, sample_without_replacement
+from .tree import DraftTree, chain, shape_of
+
+__all__ = ["Request", "Engine", "text_config", "propose_heads_batched"]
+
+
+def text_config(model):
+    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to decode. ``on_tokens(request, ids)`` (optional) is called after every step with the
+    tokens that step added (stop-string cuts applied); ``result`` is set when the request is finished."""
+
+    ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling = field(default_factory=lambda: Sampling(0.0, 0, 1.0))
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    on_tokens: Callable | None = None
+    tag: object = None  # the caller's handle (e.g. the input position)
+    result: GenerationResult | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class _Row:
+    req: Request
+    ids: list[int]
+    drafter: Drafter
+    state: DecodeState
+    gen: torch.Generator | None
+    stats: Stats
+    new: list[int] = field(default_factory=list)
+    finish: str = "length"
+    length: int = 0  # this row's cache length L_b
+    done: bool = False
+    # batched draft-model chain drafting (_BatchDraft): the row's draft-cache length, tokens of
+    # state.tokens in the draft cache, draft tokens fed during the last proposal, current draft length
+    d_len: int = 0
+    d_cached: int = 0
+    d_fed: int = 0
+    d_k: int = 0
+    t_start: float = 0.0  # when the row was admitted (its latency runs from here)
+    hidden_log: list | None = None  # keep_hidden: the target's last hidden states, in position order
+
+
+class Engine:
+    """Step-wise speculative decoding of up to ``rows`` sequences at once over caches of ``capacity`` slots.
+
+    ``add(request)`` queues a request; ``step()`` admits waiting requests into free rows, runs one
+    draft / verify / accept step for every running row and returns the requests that finished;
+    ``cancel(request)`` drops it at the next step boundary. eos: the token ids that end a sequence.
+    verify_budget: a cap on the tokens one verify forward holds over the whole batch; each row's draft is
+    cut to max(1, budget // rows - 1) nodes (its first nodes, so still a tree). draft_cap: instead, a
+    function of the number of running rows giving each row's most draft nodes (0: no drafting that step).
+    Cutting a draft only drops candidates; the output is unchanged."""
+
+    def __init__(self, model, tokenizer, drafter: Drafter | None, eos: set[int], *, rows: int, capacity: int,
+                 acceptor: str | None = None, typical: dict | None = None,
+                 trees: list[tuple[int, Drafter]] | None = None, verify_budget: int | None = None,
+                 draft_cap: Callable[[int], int] | None = None, keep_hidden: bool = False):
+        self.model, self.tokenizer, self.eos = model, tokenizer, set(eos)
+        self.drafter = drafter or NoDrafter()
+        self.acceptor, self.typical = acceptor, typical or {}
+        self.trees = trees or []
+        self.verify_budget, self.draft_cap = verify_budget, draft_cap
+        self.keep_hidden = keep_hidden
+        self.rows, self.capacity = rows, capacity
+        self.need_hidden = keep_hidden or self.drafter.needs_hidden or any(d.needs_hidden for _, d in self.trees)
+        self.max_nodes = max([self.drafter.max_nodes] + [d.max_nodes for _, d in self.trees])
+        self.cache = new_cache(model, capacity)
+        allocate_rows(self.cache, model, rows)
+        self.bd = _BatchDraft.make(self.drafter, capacity + self.max_nodes + 1, rows)
+        self.waiting: list[Request] = []
+        self.active: list[_Row] = []
+        self.forwards = 0
+        self.admissions = 0
+        self.last_verify_s, self.last_rows = 0.0, 0
+        # drafted tokens accepted, and row-steps whose draft was cut short by a rejection (a miss): together
+        # an estimate of the per-token acceptance rate (accepted / (accepted + misses))
+        self.accepted_drafts = 0
+        self.draft_misses = 0
+
+    # -- the queue ------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        need = len(req.ids) + req.max_new_tokens + self.max_nodes + 1
+        if not req.ids:
+            raise HydraspecError("empty prompt")
+        if need > self.capacity:
+            raise HydraspecError(f"prompt ({len(req.ids)} tokens) + max_new_tokens ({req.max_new_tokens}) needs "
+                                 f"{need} cache slots; the engine holds {self.capacity}")
+        self.waiting.append(req)
+
+    def cancel(self, req: Request) -> None:
+        req.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def _drafter_for(self, row: _Row, active: int) -> Drafter:
+        chosen = None
+        for bs, d in self.trees:
+            if bs <= active:
+                chosen = d
+        return chosen or row.drafter
+
+    def _cap(self, n_active: int) -> int | None:
+        if self.draft_cap is not None:
+            return max(0, int(self.draft_cap(n_active)))
+        return None if self.verify_budget is None else max(1, self.verify_budget // n_active - 1)
+
+    def _admit(self) -> None:
+        self.waiting = [q for q in self.waiting if not self._drop_cancelled(q)]
+        k = min(self.rows - len(self.active), len(self.waiting))
+        if k <= 0:
+            return
+        t0 = time.perf_counter()
+        new = []
+        for req in self.waiting[:k]:
+            sampling = req.sampling
+            gen = None
+            if not sampling.greedy or self._accept_name(sampling) == "typical":
+                gen = torch.Generator().manual_seed(req.seed if req.seed is not None else torch.seed())
+            state = DecodeState(tokens=list(req.ids), prompt_len=len(req.ids), sampling=sampling, generator=gen)
+            new.append(_Row(req=req, ids=list(req.ids), drafter=copy.copy(self.drafter), state=state, gen=gen,
+                            stats=Stats(prompt_tokens=len(req.ids))))
+        del self.waiting[:k]
+        first = len(self.active)
+        prefill_rows(self.model, self.cache, first, new, self.need_hidden)
+        if self.keep_hidden:
+            for r in new:
+                r.hidden_log = [r.state.new_hidden.clone()] if r.state.new_hidden is not None else []
+        if self.bd is not None:
+            self.bd.add(first, new)
+        else:
+            for r in new:
+                r.drafter.start(r.state, len(r.ids) + r.req.max_new_tokens + self.max_nodes + 1)
+        use_rows(self.cache, 0, first + len(new))
+        if self.bd is not None:
+            use_rows(self.bd.cache, 0, first + len(new))
+        t1 = time.perf_counter()
+        for r in new:
+            r.t_start = t0
+            r.stats.prefill_s = t1 - t0
+        self.active.extend(new)
+        self.admissions += 1
+
+    def _drop_cancelled(self, req: Request) -> bool:
+        if req.cancelled:
+            req.result = GenerationResult(text="", token_ids=[], prompt_ids=list(req.ids), stats=Stats(),
+                                          finish_reason="cancelled")
+        return req.cancelled
+
+    def _accept_name(self, sampling: Sampling) -> str:
+        return "greedy" if sampling.greedy else (self.acceptor or "lossless")
+
+    # -- one step -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Admit waiting requests, drop cancelled rows, run one draft / verify / accept step; returns the
+        requests finished in this step (their ``result`` set)."""
+        done: list[Request] = [q for q in self.waiting if q.cancelled]
+        self._leave([b for b, r in enumerate(self.active) if r.req.cancelled], "cancelled", done)
+        self._admit()
+        if not self.active:
+            return done
+        model, dev, active = self.model, self.model.device, self.active
+        # 1. drafts, one per row, trimmed to the row's token budget
+        n_active = len(active)
+        cap = self._cap(n_active)
+        trees, shapes = [], []
+        t0 = time.perf_counter()
+        together = None
+        if cap != 0:
+            if self.bd is not None:  # draft-model chains: one draft forward per depth for every row
+                together = self.bd.propose(active)
+            else:  # head drafters: one heads call per depth for every row (None: other drafters)
+                together = propose_heads_batched(self._drafter_for(active[0], n_active), [r.state for r in active],
+                                                 [r.drafter for r in active])
+        if together is not None:
+            dt = (time.perf_counter() - t0) / n_active
+            for r in active:
+                r.stats.draft_s += dt
+        for j, r in enumerate(active):
+            t0 = time.perf_counter()
+            if cap == 0:
+                tree = DraftTree.empty()
+            else:
+                tree = together[j] if together is not None else self._drafter_for(r, n_active).propose(r.state)
+            remaining = r.req.max_new_tokens - len(r.new)
+            if cap is not None and len(tree.tokens) > cap:
+                tree = tree.head(cap)
+            shape = shape_of(tree.with_root())
+            if int(shape.depth[-1]) > remaining - 1:
+                tree = tree.head(int((shape.depth <= remaining - 1).sum()) - 1)
+                shape = shape_of(tree.with_root())
+            trees.append(tree)
+            shapes.append(shape)
+            r.stats.draft_s += time.perf_counter() - t0
+
+        # 2. one verify forward over every row's tree, padded to N nodes
+        t1 = time.perf_counter()
+        B = self.last_rows = len(active)
+        N = max(s.size for s in shapes)
+        W = max(r.length for r in active)
+        ids = torch.zeros(B, N, dtype=torch.long)
+        pos = torch.empty(B, N, dtype=torch.long)
+        tree_allowed = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)  # dummy nodes see only themselves
+        node_lists = []
+        for b, (r, tree, shape) in enumerate(zip(active, trees, shapes)):
+            n = shape.size
+            nodes = [r.state.tokens[-1]] + tree.tokens.tolist()
+            node_lists.append(nodes)
+            ids[b, :n] = torch.tensor(nodes)
+            pos[b, :n] = r.length + shape.depth
+            pos[b, n:] = r.length
+            tree_allowed[b, :n, :n] = shape.ancestors
+        for layer in self.cache.layers:
+            layer.length = W
+        mask = ragged_mask([r.length for r in active], W, tree_allowed, model.dtype, dev)
+        out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+                    past_key_values=self.cache, use_cache=True, output_hidden_states=self.need_hidden)
+        logits = out.logits.float()
+        hid = out.hidden_states[-1] if self.need_hidden else None
+        del out
+        self.forwards += 1
+        verify_s = self.last_verify_s = time.perf_counter() - t1
+
+        # 3. per-row acceptance, then one compaction of every row's accepted path
+        src = torch.full((B, N), W + N - 1, dtype=torch.long)
+        dst = torch.full((B, N), W + N - 1, dtype=torch.long)
+        finished = []
+        for b, (r, tree, shape) in enumerate(zip(active, trees, shapes)):
+            ta = time.perf_counter()
+            n = shape.size
+            q = tree.q
+            if q is not None and q.shape[-1] != logits.shape[-1]:
+                q = fit_vocab(q, logits.shape[-1])
+            name = self._accept_name(r.state.sampling)
+            acc = ACCEPTORS[name](shape, node_lists[b], logits[b, :n], q=q, sampling=r.state.sampling,
+                                  generator=r.gen, **(self.typical if name == "typical" else {}))
+            k = len(acc.path)
+            if len(tree):
+                self.accepted_drafts += k - 1
+                self.draft_misses += int(k - 1 < int(shape.depth[-1]))
+            src[b, :k] = W + torch.tensor(acc.path)
+            dst[b, :k] = r.length + torch.arange(k)
+            r.length += k
+            emitted = self._emit(r, [node_lists[b][i] for i in acc.path[1:]] + [acc.next_token])
+            r.stats.target_forwards += 1
+            r.stats.verify_s += verify_s
+            r.state.hidden = hid[b, acc.path[-1]] if hid is not None else None
+            r.state.new_hidden = hid[b, acc.path] if hid is not None else None
+            if self.keep_hidden:
+                r.hidden_log.append(r.state.new_hidden)
+            tb = time.perf_counter()
+            r.stats.accept_s += tb - ta
+            if r.req.on_tokens is not None and emitted:
+                r.req.on_tokens(r.req, emitted)
+            if r.done:
+                r.stats.wall_s = tb - r.t_start
+                finished.append(b)
+            else:
+                if self.bd is not None and cap != 0:
+                    self.bd.observe(r, len(acc.path) - 1)
+                elif len(tree):
+                    self._drafter_for(r, n_active).observe(r.state, [i - 1 for i in acc.path[1:]])
+                r.stats.draft_s += time.perf_counter() - tb
+        compact(self.cache, src.to(dev), dst.to(dev))
+
+        # 4. finished rows leave the batch
+        self._leave(finished, None, done)
+        return done
+
+    def _leave(self, gone: list[int], finish: str | None, done: list[Request]) -> None:
+        """Rows ``gone`` (indices into active) leave the batch; their requests get their results."""
+        if not gone:
+            return
+        for b in gone:
+            r = self.active[b]
+            if finish is not None:
+                r.finish = finish
+                r.stats.wall_s = time.perf_counter() - r.t_start
+            r.req.result = self._result(r)
+            done.append(r.req)
+        keep = [b for b in range(len(self.active)) if b not in set(gone)]
+        self.active[:] = [self.active[b] for b in keep]
+        select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.model.device))
+        if self.bd is not None:
+            select_rows(self.bd.cache, torch.tensor(keep, dtype=torch.long, device=self.bd.model.device))
+
+    def _emit(self, r: _Row, emitted: list[int]) -> list[int]:
+        """The stop rules of SpeculativeGenerator.generate: EOS (kept), token budget, stop strings.
+        Returns the tokens that stay."""
+        max_new, stops = r.req.max_new_tokens, r.req.stops
+        cut = len(emitted)
+        for i, t in enumerate(emitted):
+            if t in self.eos:
+                cut, r.finish = i + 1, "eos"
+                break
+        if len(r.new) + cut >= max_new and r.finish != "eos":
+            cut = max_new - len(r.new)
+        emitted = emitted[:cut]
+        r.new.extend(emitted)
+        if stops:
+            n_before = len(r.new) - len(emitted)
+            hit = stop_at(self.tokenizer, r.new, n_before, stops)
+            if hit is not None:
+                del r.new[hit:]
+                emitted = emitted[: max(0, hit - n_before)]
+                r.finish = "stop"
+        r.stats.count(len(emitted))
+        r.state.tokens.extend(emitted)
+        r.done = r.finish != "length" or len(r.new) >= max_new
+        return emitted
+
+    def _result(self, r: _Row) -> GenerationResult:
+        r.stats.new_tokens = len(r.new)
+        text = self.tokenizer.decode(r.new, skip_special_tokens=True)
+        if r.finish == "stop":
+            text = trim_after_stop(text, r.req.stops)
+        hidden = None
+        if r.hidden_log is not None:  # positions 0 .. T - 2 (an accepted path may run past a stop)
+            hidden = torch.cat(r.hidden_log)[: len(r.ids) + len(r.new) - 1]
+            r.hidden_log = None
+        return GenerationResult(text=text, token_ids=list(r.new), prompt_ids=list(r.ids), stats=r.stats,
+                                finish_reason=r.finish, hidden_states=hidden)
+
+
+class _BatchDraft:
+    """A DraftModelDrafter in chain mode for all rows at once: one draft cache of B rows laid out like the
+    target's (row b at slots [0, d_len_b), a masked gap, new tokens written at the shared pointer and
+    moved next to the row's prefix), one draft forward per depth for every row still drafting. Each row
+    keeps the single-sequence drafter's rules: its own dynamic length (+2 after a fully accepted draft,
+    -1 otherwise), the greedy confidence stop, draws from its own generator, and after verification the
+    draft cache keeps only the accepted drafts."""
+
+    def __init__(self, proto, capacity: int, rows_max: int):
+        self.p, self.model = proto, proto.model
+        self.cache = new_cache(self.model, capacity)
+        allocate_rows(self.cache, self.model, rows_max)
+
+    @staticmethod
+    def make(drafter, capacity: int, rows_max: int):
+        if type(drafter) is not DraftModelDrafter or drafter.widths or drafter.leaves:  # leaves: per row
+            return None
+        return _BatchDraft(drafter, capacity, rows_max)
+
+    def add(self, first: int, rows: list[_Row]) -> None:
+        """New rows at cache rows [first, first + len(rows)): prefill the draft model on their prompts but
+        the last token (which the next proposal feeds)."""
+        for r in rows:
+            r.d_k = self.p.k0
+            r.d_fed = 0
+            r.d_cached = r.d_len = len(r.ids) - 1
+        if any(r.d_cached for r in rows):
+            prefill_rows(self.model, self.cache, first, rows, False, draft=True)
+
+    def _forward(self, active: list[_Row], feeds: list[list[int]]) -> torch.Tensor:
+        """Append feeds[b] to row b's draft cache; logits [B, vocab] at each row's last fed token."""
+        dev = self.model.device
+        B, C = len(active), max(1, max(len(f) for f in feeds))
+        W = max(r.d_len for r in active)
+        ids = torch.zeros(B, C, dtype=torch.long)
+        pos = torch.empty(B, C, dtype=torch.long)
+        tree_allowed = torch.eye(C, dtype=torch.bool).repeat(B, 1, 1)
+        src = torch.full((B, C), W + C - 1, dtype=torch.long)
+        dst = torch.full((B, C), W + C - 1, dtype=torch.long)
+        for b, (r, f) in enumerate(zip(active, feeds)):
+            c = len(f)
+            pos[b] = r.d_len + torch.arange(C).clamp(max=max(c - 1, 0))
+            if c:
+                ids[b, :c] = torch.tensor(f)
+                tree_allowed[b, :c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+                src[b, :c] = W + torch.arange(c)
+                dst[b, :c] = r.d_len + torch.arange(c)
+        for layer in self.cache.layers:
+            layer.length = W
+        mask = ragged_mask([r.d_len for r in active], W, tree_allowed, self.model.dtype, dev)
+        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True)
+        last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
+        logits = out.logits[torch.arange(B, device=last.device), last].float()
+        compact(self.cache, src.to(dev), dst.to(dev))
+        for r, f in zip(active, feeds):
+            r.d_len += len(f)
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, active: list[_Row]):
+        p = self.p
+        feeds = [r.state.tokens[r.d_cached:] for r in active]
+        logits = self._forward(active, feeds)
+        for r in active:
+            r.d_cached, r.d_fed = len(r.state.tokens), 0
+        toks: list[list[int]] = [[] for _ in active]
+        qs: list[list[torch.Tensor]] = [[] for _ in active]
+        drafting = [True] * len(active)
+        for depth in range(max(r.d_k for r in active)):
+            for b, r in enumerate(active):
+                if not drafting[b] or depth >= r.d_k:
+                    drafting[b] = False
+                    continue
+                lg = logits[b]
+                sampling = r.state.sampling
+                if sampling.greedy:
+                    top = torch.topk(lg, 1)
+                    if p.confidence > 0 and toks[b] and \
+                            top.values[0].item() - torch.logsumexp(lg, -1).item() < p.log_confidence:
+                        drafting[b] = False
+                        continue
+                    toks[b].append(int(top.indices[0]))
+                else:
+                    probs = sampling.probs(lg)
+                    toks[b].append(int(sample_without_replacement(probs, 1, r.state.generator)[0]))
+                    qs[b].append(probs)
+                if depth >= r.d_k - 1:  # the last draft of a chain is not fed
+                    drafting[b] = False
+            if not any(drafting):
+                break
+            feeds = [[toks[b][-1]] if drafting[b] else [] for b in range(len(active))]
+            logits = self._forward(active, feeds)
+            for r, f in zip(active, feeds):
+                r.d_fed += len(f)
+        return [DraftTree(torch.tensor(t, dtype=torch.long), chain(len(t)), torch.stack(q) if q else None)
+                for t, q in zip(toks, qs)]
+
+    def observe(self, r: _Row, n_accepted: int) -> None:
+        kept = min(n_accepted, r.d_fed)  # accepted drafts already in the draft cache stay, the rest go
+        r.d_cached += kept
+        r.d_len = r.d_cached
+        if self.p.dynamic:
+            r.d_k = min(r.d_k + 2, self.p.max_k) if n_accepted >= r.d_k else max(1, r.d_k - 1)
+
+
+def propose_heads_batched(drafter, states: list[DecodeState], row_drafters=None):
+    """HeadDrafter.propose for many rows at once (same trees, same tokens, same random draws per row's
+    generator), calling each head once per depth for all rows instead of once per row: the heads' vocabulary
+    projection is read once per depth. None when `drafter` is not a head drafter (then call it per row)."""
+    if not isinstance(drafter, HeadDrafter) or not all(hasattr(drafter, a) for a in ("levels", "paths", "ranks")):
+        return None
+    out: list = [DraftTree.empty() for _ in states]
+    live = [j for j, s in enumerate(states) if s.hidden is not None]
+    if not live:
+        return out
+    heads, parents, n = drafter.heads, drafter.parents, len(drafter.parents)
+    if getattr(heads, "prefix", None) is not None:
+        # Hydra++: each row's own drafter keeps that row's prefix-layer cache and gives what the heads read
+        if row_drafters is None:
+            return None
+        H = torch.stack([row_drafters[j]._head_input(states[j]) for j in live])
+    else:
+        H = torch.stack([states[j].hidden for j in live])  # [R, dim]
+    to_ids = getattr(heads, "token_ids", lambda i: i)  # draft vocabulary -> token ids
+    to_probs = getattr(heads, "full_probs", lambda p: p)
+    greedy = [states[j].sampling.greedy for j in live]  # each row's own sampling settings
+    tokens = [[0] * n for _ in live]
+    qrows = [[None] * n for _ in live]
+    for d, (par, kids) in enumerate(drafter.levels):
+        P = len(par)
+        if heads.kind == "medusa":
+            lg = heads.logits(d, H).float()[:, None, :].expand(-1, P, -1)  # [R, P, V]
+        else:
+            path_ids = [[states[j].tokens[-1]] + [tokens[r][k] for k in (drafter.paths[p] if p >= 0 else [])]
+                        for r, j in enumerate(live) for p in par]
+            emb = drafter.embed(torch.tensor(path_ids, device=H.device))  # [R * P, d + 1, dim]
+            lg = heads.logits(d, H.repeat_interleave(P, 0), emb).float().view(len(live), P, -1)
+        if any(greedy):
+            need = max(drafter.ranks[c] for p in par for c in kids[p]) + 1
+            top = to_ids(torch.topk(lg, need, dim=-1).indices).tolist()  # [R][P][need]
+        for r, j in enumerate(live):
+            for i, p in enumerate(par):
+                children = kids[p]
+                if greedy[r]:
+                    for c in children:
+                        tokens[r][c] = top[r][i][drafter.ranks[c]]
+                else:
+                    probs = to_probs(states[j].sampling.probs(lg[r, i]))
+                    draws = sample_without_replacement(probs, len(children), states[j].generator).tolist()
+                    for c, x in zip(children, draws):
+                        tokens[r][c] = x
+                        qrows[r][c] = probs
+    for r, j in enumerate(live):
+        if greedy[r]:
+            out[j] = DraftTree(torch.tensor(tokens[r]), parents)
+            continue
+        drawn = [i for i in range(n) if qrows[r][i] is not None]
+        if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
+            keep = prefix_closed(parents, set(drawn))
+            out[j] = DraftTree(torch.tensor([tokens[r][i] for i in keep]), reindex(parents, keep),
+                               torch.stack([qrows[r][i] for i in keep]) if keep else None)
+        else:
+            out[j] = DraftTree(torch.tensor(tokens[r]), parents, torch.stack(qrows[r]))
+    return out
+
+
+def allocate_rows(cache, model, rows: int) -> None:
+    """Allocate every layer's buffers for `rows` rows now (SlotLayer would allocate at its first write)."""
+    cfg = text_config(model)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    empty = torch.empty(rows, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
+    for layer in cache.layers:
+        layer.lazy_initialization(empty, empty)
+        layer.full_k, layer.full_v = layer.k_buf, layer.v_buf
+        layer.length = 0
+
+
+def use_rows(cache, start: int, stop: int) -> None:
+    """Make the layers read and write rows [start, stop) of their full buffers."""
+    for layer in cache.layers:
+        layer.k_buf, layer.v_buf = layer.full_k[start:stop], layer.full_v[start:stop]
+        layer.keys = layer.k_buf[:, :, : layer.length]
+        layer.values = layer.v_buf[:, :, : layer.length]
+
+
+@torch.inference_mode()
+def prefill_rows(model, cache, first: int, rows: list[_Row], need_hidden: bool, draft: bool = False) -> None:
+    """Write every new row's prompt but its last token into cache rows [first, first + len(rows)), slots
+    [0, len - 1); sets row.length (target) and the hidden state of the last prefilled token when asked.
+    Each row is prefilled by its own forward over exactly its prompt: a prefill is compute-bound, and
+    one right-padded [B, longest] forward spent a third of its time on padding for HumanEval prompts."""
+    lens = [len(r.ids) - 1 for r in rows]
+    if not draft:
+        for r, n in zip(rows, lens):
+            r.length = n
+    dev = model.device
+    saved = [layer.length for layer in cache.layers]
+    for b, (r, n) in enumerate(zip(rows, lens)):
+        if n == 0:
+            continue
+        use_rows(cache, first + b, first + b + 1)
+        for layer in cache.layers:
+            layer.length = 0
+        out = model(input_ids=torch.tensor([r.ids[:-1]], device=dev), position_ids=torch.arange(n, device=dev)[None],
+                    past_key_values=cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
+        if need_hidden:
+            h = out.hidden_states[-1][0]
+            r.state.hidden = h[n - 1]
+            r.state.new_hidden = h[:n]
+    for layer, n in zip(cache.layers, saved):  # the caller selects the rows to use next
+        layer.length = n
+
+
+def ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, device) -> torch.Tensor:
+    """[B, 1, N, W + N] additive mask, built on the device: row b's N new nodes (written at slots
+    [W, W + N)) see its cache [0, lengths[b]) and, among the new slots, what tree_allowed[b] ([N, N] bool)
+    allows; the gap [lengths[b], W) is hidden."""
+    B, N, _ = tree_allowed.shape
+    prefix = torch.arange(W, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, W]
+    allowed = torch.cat([prefix[:, None, :].expand(B, N, W), tree_allowed.to(device)], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Per row b: slots dst[b] <- slots src[b] (padding entries copy a slot onto itself). Advanced
+    indexing, not gather/scatter with an expanded index: those took ~35 ms per layer buffer on a CPU
+    at 2,000 slots (and grew with the slots); this takes ~15 us."""
+    rows = torch.arange(src.shape[0], device=src.device)[:, None]
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        for name in ("k_buf", "v_buf"):
+            buf = getattr(layer, name)
+            buf[rows, :, dst] = buf[rows, :, src]  # [B, N, heads, dim] read first, then written
+
+
+def select_rows(cache, keep: torch.Tensor) -> None:
+    """Drop the cache rows of finished sequences: the kept rows move to the front of the same buffers
+    (allocated once, never grown) and the layers see only those rows from now on."""
+    n = keep.numel()
+    if not torch.equal(keep.cpu(), torch.arange(n)):
+        for layer in cache.layers:
+            for name in ("full_k", "full_v"):
+                buf = getattr(layer, name)
+                buf[:n] = buf[keep]
+    use_rows(cache, 0, n)
+
+

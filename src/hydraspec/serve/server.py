@@ -1,0 +1,53 @@
+"""Start-up of `hydraspec serve`: the engine sized before any request (KV cache for every row at the full
+context, refused up front when it does not fit), the adaptive draft rule measured on this device, uvicorn."""
+from __future__ import annotations
+
+import logging
+import sys
+
+from ..batch import BatchGenerator, cache_bytes, gib
+from ..errors import HydraspecError
+from .adaptive import AdaptiveDraft, measure_verify_cost
+from .app import ServerConfig, create_app
+from .worker import EngineWorker
+
+log = logging.getLogger("hydraspec.serve")
+
+
+def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max_context: int | None = None,
+                 max_queue: int = 64, api_key: str | None = None, adaptive: bool = True, say=print):
+    """The FastAPI app and its worker for generator ``bg`` (model, tokenizer, drafter, acceptor)."""
+    if max_batch < 1:
+        raise HydraspecError(f"--max-batch must be at least 1, got {max_batch}")
+    if max_queue < 0:
+        raise HydraspecError(f"--max-queue must be at least 0, got {max_queue}")
+    ctx = bg.base.ctx or 4096
+    context = min(ctx, max_context or min(ctx, 4096))
+    if context < 16:
+        raise HydraspecError(f"--max-context must be at least 16 tokens, got {context}")
+    capacity = context + bg.max_nodes + 1
+    need = bg.estimate_bytes([1] * max_batch, capacity - 1 - bg.max_nodes - 1)
+    bg.check_memory(need, max_batch, None, bg.logits_bytes(max_batch))
+    rule = None
+    if adaptive and bg.drafter.max_nodes > 0:
+        say("measuring the verify cost for the adaptive draft length ...")
+        rule = AdaptiveDraft(measure_verify_cost(bg.model), bg.max_nodes)
+    engine = bg.engine(max_batch, capacity, draft_cap=rule)
+    if rule is not None:
+        rule.engine = engine
+        say(f"adaptive speculation: {rule.describe()}")
+    say(f"KV cache: {max_batch} rows x {capacity} slots = {gib(cache_bytes(bg.model, max_batch, capacity))} "
+        f"(target{' + draft model' if need > cache_bytes(bg.model, max_batch, capacity) else ''}: {gib(need)}), "
+        f"allocated now; context {context} tokens per request")
+    worker = EngineWorker(engine, max_queue)
+    config = ServerConfig(model_name=model_name, capacity=capacity, max_nodes=bg.max_nodes, api_key=api_key)
+    app = create_app(worker, bg.tokenizer, bg.base.encode, config)
+    return app, worker, rule
+
+
+def run(app, host: str, port: int) -> None:
+    """Serve until Ctrl-C / SIGTERM (uvicorn stops accepting, the lifespan cancels running rows)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
+    print("hydraspec serve: stopped", file=sys.stderr)

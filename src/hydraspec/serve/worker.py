@@ -1,0 +1,166 @@
+"""The thread that owns the engine: it takes requests and cancellations from an inbox at step boundaries,
+runs the engine's steps while there is work and hands each request's tokens to the caller's callbacks."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine import Engine, Request
+
+log = logging.getLogger("hydraspec.serve")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server's --max-queue."""
+
+
+@dataclass
+class Counters:
+    """What /metrics reports, updated by the worker thread."""
+
+    steps: int = 0
+    verify_s: list = field(default_factory=list)  # verify-step times since the last read
+    tokens: int = 0
+    row_forwards: int = 0  # one per row per step
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
+
+    def tokens_per_s(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        pts = [(t, n) for t, n in self.recent if now - t <= window]
+        if not pts:
+            return 0.0
+        span = max(now - pts[0][0], 1e-3)
+        return sum(n for _, n in pts) / span
+
+
+class EngineWorker:
+    """Runs ``engine`` in one daemon thread. ``submit(request, on_event)``: on_event(kind, payload) is called
+    from the worker thread with ("tokens", ids) after each step and ("done", result) once."""
+
+    def __init__(self, engine: Engine, max_queue: int):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.inbox: queue.Queue = queue.Queue()
+        self.counters = Counters()
+        self.lock = threading.Lock()
+        self.outstanding = 0  # submitted and not finished
+        self.events: dict[int, Callable] = {}
+        self.stopping = False
+        self.step_tokens = 0
+        self.thread = threading.Thread(target=self._loop, name="hydraspec-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def running_rows(self) -> int:
+        return len(self.engine.active)
+
+    @property
+    def queue_length(self) -> int:
+        with self.lock:
+            return max(0, self.outstanding - len(self.engine.active))
+
+    def submit(self, req: Request, on_event: Callable) -> None:
+        with self.lock:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if self.outstanding - len(self.engine.active) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting (--max-queue)")
+            self.outstanding += 1
+            self.events[id(req)] = on_event
+        req.on_tokens = self._tokens
+        self.inbox.put(("add", req))
+
+    def cancel(self, req: Request) -> None:
+        self.inbox.put(("cancel", req))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel every running and waiting request, then end the thread."""
+        with self.lock:
+            self.stopping = True
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout)
+
+    def _tokens(self, req: Request, ids: list[int]) -> None:
+        self.step_tokens += len(ids)
+        fn = self.events.get(id(req))
+        if fn is not None:
+            fn("tokens", ids)
+
+    def _finish(self, req: Request) -> None:
+        with self.lock:
+            self.outstanding -= 1
+            fn = self.events.pop(id(req), None)
+        if fn is not None:
+            fn("done", req.result)
+
+    def _take(self, block: bool) -> bool:
+        """Move the inbox into the engine; False when asked to stop."""
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, req = item
+            if kind == "stop":
+                return False
+            if kind == "add":
+                try:
+                    self.engine.add(req)
+                except Exception as exc:  # checked by the handler first; never lose a request silently
+                    log.error("request refused by the engine: %s", exc)
+                    req.result = None
+                    self._finish(req)
+            else:
+                self.engine.cancel(req)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            if not self._take(block=not eng.busy):
+                break
+            if not eng.busy:
+                continue
+            before, self.step_tokens = eng.forwards, 0
+            try:
+                done = eng.step()
+            except Exception:  # a failing step must not hang the clients: cancel what is running
+                log.exception("engine step failed")
+                for r in list(eng.active):
+                    eng.cancel(r.req)
+                for q in eng.waiting:
+                    eng.cancel(q)
+                done = eng.step()
+            if eng.forwards > before:
+                c = self.counters
+                c.steps += 1
+                c.verify_s.append(eng.last_verify_s)
+                c.row_forwards += eng.last_rows
+                c.tokens += self.step_tokens
+                c.recent.append((time.monotonic(), self.step_tokens))
+            for req in done:
+                self._finish(req)
+        # shutting down: cancel everything still here and tell its callers
+        while True:
+            try:
+                kind, req = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                eng.add(req)
+        for r in list(eng.active):
+            eng.cancel(r.req)
+        for q in list(eng.waiting):
+            eng.cancel(q)
+        for req in eng.step():
+            self._finish(req)
