@@ -63,6 +63,7 @@ class EngineWorker:
 
     @property
     def queue_length(self) -> int:
+        """Requests submitted and not yet decoding."""
         with self.lock:
             return max(0, self.outstanding - len(self.engine.active))
 
@@ -70,7 +71,7 @@ class EngineWorker:
         with self.lock:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
-            if self.outstanding - len(self.engine.active) >= self.max_queue:
+            if self.outstanding >= self.engine.rows + self.max_queue:  # every row busy and the queue full
                 raise QueueFull(f"{self.max_queue} requests are already waiting (--max-queue)")
             self.outstanding += 1
             self.events[id(req)] = on_event

@@ -1,0 +1,246 @@
+"""`hydraspec serve` on a tiny random model, driven over loopback by the official `openai` client (and raw
+httpx for malformed input): answers equal `SpeculativeGenerator.generate`'s, streams concatenate to the
+plain answer, concurrent requests of very different lengths each equal their single answer, bad input
+gets OpenAI error objects, a client that leaves mid-stream frees its row, the API key is enforced."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+import tiny
+from hydraspec import SpeculativeGenerator, make_drafter
+from hydraspec.batch import BatchGenerator
+from hydraspec.serve.server import build_server
+
+SEED = 3
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
+
+
+def tokenizer():
+    t = tiny.make_tokenizer()
+    t.chat_template = TEMPLATE
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return tiny.cached_model("llama", "sdpa", SEED)
+
+
+@functools.lru_cache(maxsize=None)
+def draft():
+    return tiny.noisy_copy(target(), 0.05, seed=7)
+
+
+def drafter(method):
+    if method == "draft":
+        return make_drafter("draft", draft_model=draft(), target_tokenizer=tokenizer(), draft_tokenizer=tokenizer())
+    if method == "pld":
+        return make_drafter("pld", num_tokens=6)
+    return make_drafter("ar")
+
+
+def single(method, text, max_tokens):
+    g = SpeculativeGenerator(target(), tokenizer(), drafter(method))
+    return g.generate([{"role": "user", "content": text}], max_new_tokens=max_tokens).text
+
+
+@contextlib.contextmanager
+def server(method="pld", *, max_batch=4, max_queue=16, api_key=None, max_context=200, adaptive=True):
+    bg = BatchGenerator(target(), tokenizer(), drafter(method))
+    app, worker, _ = build_server(bg, "tiny", max_batch=max_batch, max_context=max_context, max_queue=max_queue,
+                                  api_key=api_key, adaptive=adaptive, say=lambda m: None)
+    cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    srv = uvicorn.Server(cfg)
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    while not srv.started:
+        assert time.monotonic() - t0 < 60 and th.is_alive(), "server did not start"
+        time.sleep(0.02)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", worker
+    finally:
+        srv.should_exit = True
+        th.join(30)
+        assert not th.is_alive()
+
+
+def client(base, key="none"):
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, timeout=60, max_retries=0)
+
+
+PROMPTS = ["w5 w9 w12 w5 w9", "w40 w41 w42 w43 w44 w45 w46 w40 w41", "w7", "w3 w3 w3 w3 w8 w3 w3 w3",
+           "w60 w61 w62", "w2 w4 w6 w8 w10 w2 w4", "w30 w31 w30 w31 w30", "w90 w80 w70 w60 w50 w40"]
+
+
+def chat(c, text, max_tokens, **kw):
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], temperature=0,
+                                  max_tokens=max_tokens, **kw)
+    return r
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "draft"])
+def test_chat_equals_generate_and_stream_concatenates(method):
+    with server(method) as (base, _):
+        c = client(base)
+        assert [m.id for m in c.models.list()] == ["tiny"]
+        r = chat(c, PROMPTS[0], 24)
+        want = single(method, PROMPTS[0], 24)
+        assert r.choices[0].message.content == want and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens > 0
+        assert r.usage.model_extra["mean_accepted_tokens_per_forward"] >= 1.0
+        parts = [ch.choices[0].delta.content or "" for ch in
+                 c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           temperature=0, max_tokens=24, stream=True) if ch.choices]
+        assert len([p for p in parts if p]) > 1 and "".join(parts) == want
+        comp = c.completions.create(model="tiny", prompt=PROMPTS[1], temperature=0, max_tokens=10)
+        plain = SpeculativeGenerator(target(), tokenizer(), drafter(method)).generate(PROMPTS[1], max_new_tokens=10,
+                                                                                      chat=False)
+        assert comp.choices[0].text == plain.text
+
+
+def test_concurrent_requests_equal_their_single_answers():
+    lengths = [3, 40, 7, 60, 12, 25, 5, 50]
+    want = [single("pld", p, n) for p, n in zip(PROMPTS, lengths)]
+    with server("pld", max_batch=4) as (base, worker):
+        rows_seen = []
+        step = worker.engine.step
+
+        def spy():
+            done = step()
+            rows_seen.append(worker.engine.last_rows)
+            return done
+        worker.engine.step = spy
+        c = client(base)
+        got = [None] * len(PROMPTS)
+
+        def ask(i):
+            got[i] = chat(c, PROMPTS[i], lengths[i]).choices[0].message.content
+        ths = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(120)
+        assert got == want
+        assert max(rows_seen) > 1  # requests really shared forwards
+
+
+def _error(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and body["error"]["message"] and body["error"]["type"]
+    return body["error"]
+
+
+def test_bad_input_gets_error_objects():
+    with server("ar", max_context=64) as (base, _):
+        url = base + "/v1/chat/completions"
+        msg = [{"role": "user", "content": "w5 w6"}]
+        with httpx.Client(timeout=30) as h:
+            _error(h.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+            assert "messages" in _error(h.post(url, json={"model": "tiny"}), 400)["message"]
+            _error(h.post(url, json={"model": "tiny", "messages": msg, "max_tokens": -3}), 400)
+            _error(h.post(url, json={"model": "tiny", "messages": msg, "max_tokens": 0}), 400)
+            e = _error(h.post(url, json={"model": "gpt-9", "messages": msg}), 404)
+            assert e["code"] == "model_not_found"
+            long = " ".join(f"w{i % 90}" for i in range(100))
+            e = _error(h.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": long}]}), 400)
+            assert "64" in e["message"] and e["code"] == "context_length_exceeded"
+            _error(h.post(url, json={"model": "tiny", "messages": msg, "n": 2}), 400)
+            _error(h.post(url, json={"model": "tiny", "messages": msg, "temperature": -1}), 400)
+            _error(h.post(base + "/v1/completions", json={"model": "tiny", "prompt": ""}), 400)
+            assert h.get(base + "/health").json()["status"] == "ok"
+            m = h.get(base + "/metrics").text
+            assert "hydraspec_requests_total" in m and "hydraspec_queue_length" in m
+
+
+def test_full_queue_gets_429():
+    with server("ar", max_batch=1, max_queue=0) as (base, worker):
+        c = client(base)
+        first = threading.Thread(target=lambda: chat(c, PROMPTS[1], 150))
+        first.start()
+        t0 = time.monotonic()
+        while not worker.engine.active:
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.005)
+        with pytest.raises(openai.RateLimitError):
+            chat(c, PROMPTS[0], 5)
+        first.join(60)
+        assert chat(c, PROMPTS[0], 5).choices[0].message.content == single("ar", PROMPTS[0], 5)
+
+
+def test_disconnect_mid_stream_frees_the_row_and_leaves_others_intact():
+    with server("pld", max_batch=4) as (base, worker):
+        finished = []
+        fin = worker._finish
+
+        def spy(req):
+            finished.append(req.result.finish_reason if req.result is not None else None)
+            fin(req)
+        worker._finish = spy
+        want = single("pld", PROMPTS[3], 120)
+        c = client(base)
+        out = []
+
+        def keep_reading():
+            s = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[3]}],
+                                          temperature=0, max_tokens=120, stream=True)
+            out.append("".join(ch.choices[0].delta.content or "" for ch in s if ch.choices))
+        other = threading.Thread(target=keep_reading)
+        other.start()
+        with httpx.Client(timeout=30) as h:
+            with h.stream("POST", base + "/v1/chat/completions",
+                          json={"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[1]}],
+                                "temperature": 0, "max_tokens": 150, "stream": True}) as r:
+                lines = r.iter_lines()
+                for _ in range(6):
+                    next(lines)
+        other.join(120)
+        assert out == [want]
+        t0 = time.monotonic()
+        while worker.running_rows or "cancelled" not in finished:
+            assert time.monotonic() - t0 < 30, finished
+            time.sleep(0.02)
+        assert "cancelled" in finished
+
+
+def test_api_key_is_enforced():
+    with server("ar", api_key="s3cret") as (base, _):
+        with pytest.raises(openai.AuthenticationError):
+            client(base, "wrong").models.list()
+        assert [m.id for m in client(base, "s3cret").models.list()] == ["tiny"]
+        assert httpx.get(base + "/health").status_code == 200
+        assert httpx.get(base + "/metrics").status_code == 401
+
+
+def test_sampling_with_a_seed_repeats_and_differs_from_greedy():
+    with server("pld") as (base, _):
+        c = client(base)
+        kw = dict(model="tiny", messages=[{"role": "user", "content": PROMPTS[5]}], max_tokens=20)
+        a = c.chat.completions.create(temperature=1.0, seed=5, **kw).choices[0].message.content
+        b = c.chat.completions.create(temperature=1.0, seed=5, **kw).choices[0].message.content
+        g = c.chat.completions.create(temperature=0, **kw).choices[0].message.content
+        assert a == b and a != g
+
+
+def test_adaptive_rule_drafts_less_when_verify_cost_grows():
+    from hydraspec.serve.adaptive import AdaptiveDraft
+
+    flat = AdaptiveDraft({1: 1.0, 32: 1.0}, 8)  # free extra tokens: always the longest draft
+    assert flat.best_k(1, 0.7) == 8
+    steep = AdaptiveDraft({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, 8)  # cost grows with every token: no drafting
+    assert steep.best_k(1, 0.7) == 0
+    knee = AdaptiveDraft({1: 1.0, 8: 1.1, 16: 2.0, 32: 4.0}, 7)
+    assert knee.best_k(1, 0.8) >= 5 and knee.best_k(8, 0.8) <= 1  # long drafts alone, short in a full batch
+    with torch.no_grad():
+        assert AdaptiveDraft({1: 1.0, 2: 1.0}, 3).best_k(4, 0.0) == 0  # nothing is ever accepted
