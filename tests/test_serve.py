@@ -244,3 +244,13 @@ def test_adaptive_rule_drafts_less_when_verify_cost_grows():
     assert knee.best_k(1, 0.8) >= 5 and knee.best_k(8, 0.8) <= 1  # long drafts alone, short in a full batch
     with torch.no_grad():
         assert AdaptiveDraft({1: 1.0, 2: 1.0}, 3).best_k(4, 0.0) == 0  # nothing is ever accepted
+
+
+def test_bench_serve_measures_a_real_server(tmp_path):
+    from hydraspec.bench.serve_load import run_level, table
+
+    with server("pld", max_batch=2) as (base, _):
+        r = run_level(base, "tiny", PROMPTS[:4], 2, 12)
+    assert r["requests"] == 4 and r["tokens"] == 48  # no EOS in the tiny model: every answer is 12 tokens
+    assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["itl_p50_ms"] > 0
+    assert "| 2 | 4 | 48 |" in table([r], "x")

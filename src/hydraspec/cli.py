@@ -576,8 +576,10 @@ def make_parser() -> argparse.ArgumentParser:
     if add_bench is not None:
         add_bench(sub)
         from .bench.perplexity import add_parser as add_perplexity
+        from .bench.serve_load import add_parser as add_bench_serve
 
         add_perplexity(sub)
+        add_bench_serve(sub)
     return p
 
 

@@ -1,0 +1,172 @@
+"""`hydraspec bench-serve`: drive a running OpenAI-compatible server (hydraspec serve, llama-server, ...)
+from N concurrent clients over a prompt file; report throughput, time to first token and inter-token
+latency (p50 / p99) per concurrency, as JSON, a markdown table and a plot.
+
+Each client sends streamed chat requests (greedy, ``max_tokens`` fixed) one after another, taking the
+next prompt of a shared list; the run at concurrency N ends when every prompt has been answered. Tokens
+are counted from the final ``usage`` when the server sends it (``stream_options.include_usage``), else
+one per content chunk.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..errors import HydraspecError
+from .prompts import load_questions
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str | None, timeout: float) -> dict:
+    """One streamed chat request: {"tokens", "ttft_s", "itl_s": [...], "wall_s"}."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                       "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}})
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=body.encode(), headers=headers)
+    t0 = time.perf_counter()
+    times, usage = [], None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices") or []:
+                    if (ch.get("delta") or {}).get("content"):
+                        times.append(time.perf_counter())
+    except urllib.error.HTTPError as e:
+        raise HydraspecError(f"the server answered {e.code}: {e.read()[:300].decode('utf-8', 'replace')}") from None
+    except urllib.error.URLError as e:
+        raise HydraspecError(f"cannot reach {url}: {e.reason}") from None
+    end = time.perf_counter()
+    tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") is not None else len(times)
+    return {"tokens": tokens, "ttft_s": (times[0] - t0) if times else end - t0,
+            "itl_s": [b - a for a, b in zip(times, times[1:])], "wall_s": end - t0}
+
+
+def run_level(url, model, prompts, concurrency, max_tokens, api_key=None, timeout=600.0) -> dict:
+    todo = list(enumerate(prompts))
+    lock = threading.Lock()
+    results, errors = [], []
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                _, p = todo.pop(0)
+            try:
+                r = one_request(url, model, p, max_tokens, api_key, timeout)
+            except HydraspecError as e:
+                errors.append(str(e))
+                return
+            with lock:
+                results.append(r)
+    t0 = time.perf_counter()
+    ths = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise HydraspecError(errors[0])
+    itl = [x for r in results for x in r["itl_s"]]
+    ttft = [r["ttft_s"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
+            "ttft_p50_s": round(_percentile(ttft, 50), 4), "ttft_p99_s": round(_percentile(ttft, 99), 4),
+            "itl_p50_ms": round(_percentile(itl, 50) * 1e3, 2), "itl_p99_ms": round(_percentile(itl, 99) * 1e3, 2)}
+
+
+def table(rows: list[dict], label: str) -> str:
+    out = [f"| {label} concurrency | requests | tokens | tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
+           "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['concurrency']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.2f} | "
+                   f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
+    return "\n".join(out)
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for label, rows in runs.items():
+        c = [r["concurrency"] for r in rows]
+        ax[0].plot(c, [r["tokens_per_s"] for r in rows], marker="o", label=label)
+        ax[1].plot(c, [r["itl_p50_ms"] for r in rows], marker="o", label=label)
+    ax[0].set(xlabel="concurrent clients", ylabel="tokens/s (all clients)", xscale="log", title="Throughput")
+    ax[1].set(xlabel="concurrent clients", ylabel="inter-token latency p50 (ms)", xscale="log", title="Latency")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_bench_serve(args) -> int:
+    qs = load_questions(args.prompts, limit=args.limit, skip=args.skip)
+    prompts = [q.turns[0] for q in qs]
+    if not prompts:
+        raise HydraspecError("no prompts selected")
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if not levels or any(n < 1 for n in levels):
+        raise HydraspecError(f"--concurrency takes positive integers, got {args.concurrency!r}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "serve_results.json"
+    runs = json.loads(store.read_text()) if store.exists() else {}
+    label = args.label or args.url
+    rows = []
+    for n in levels:
+        r = run_level(args.url, args.model, prompts, n, args.max_tokens, args.api_key)
+        rows.append(r)
+        print(f"[{label}] concurrency {n}: {r['tokens_per_s']:.2f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
+              f"ITL p50 {r['itl_p50_ms']:.1f} ms", flush=True)
+    runs[label] = rows
+    store.write_text(json.dumps(runs, indent=1))
+    (out / "serve_results.md").write_text("\n\n".join(table(v, k) for k, v in runs.items()) + "\n")
+    plot(runs, out / "serve_throughput.png")
+    print(table(rows, label))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench-serve", help="load-test a running OpenAI-compatible server",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (without /v1)")
+    p.add_argument("--model", required=True, help="the model name the server expects")
+    p.add_argument("--prompts", nargs="+", required=True, metavar="FILE.jsonl", help="Spec-Bench-format files")
+    p.add_argument("--limit", type=int, help="first N questions per category")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N questions per category")
+    p.add_argument("--concurrency", default="1,2,4,8", help="client counts, one run each (default 1,2,4,8)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--label", default=None, help="name of this server's runs in the results (default: the URL)")
+    p.add_argument("--out", required=True, help="directory; runs of several servers accumulate there")
+    p.set_defaults(func=run_bench_serve)
