@@ -419,11 +419,12 @@ def cmd_serve(args) -> int:
                              vocab=getattr(args, "draft_vocab", None)) if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
-    app, _, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
-                             max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
-                             adaptive=not args.no_adaptive, say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
+    app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
+                                  max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
+                                  adaptive=not args.no_adaptive, start_worker=False,
+                                  say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    run(app, args.host, args.port)
+    run(app, worker, args.host, args.port)
     return 0
 
 

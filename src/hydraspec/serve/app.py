@@ -93,16 +93,15 @@ def _text_content(m: ChatMessage) -> str:
 # -- the app -------------------------------------------------------------------------------------------
 
 
-def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, on_start=None) -> FastAPI:
-    """encode(prompt, chat) -> token ids (the generator's chat template). The worker is started and stopped
-    with the app's lifespan."""
+def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, start_worker: bool = True) -> FastAPI:
+    """encode(prompt, chat) -> token ids (the generator's chat template). The worker is stopped with the
+    app's lifespan, and started with it unless ``start_worker`` is False (the caller runs it)."""
     eos_free_decode = tokenizer.decode
 
     @asynccontextmanager
     async def lifespan(app):
-        worker.start()
-        if on_start is not None:
-            on_start()
+        if start_worker:
+            worker.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 

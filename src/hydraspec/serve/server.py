@@ -3,7 +3,10 @@ context, refused up front when it does not fit), the adaptive draft rule measure
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
+import time
 
 from ..batch import BatchGenerator, cache_bytes, gib
 from ..errors import HydraspecError
@@ -15,7 +18,8 @@ log = logging.getLogger("hydraspec.serve")
 
 
 def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max_context: int | None = None,
-                 max_queue: int = 64, api_key: str | None = None, adaptive: bool = True, say=print):
+                 max_queue: int = 64, api_key: str | None = None, adaptive: bool = True, say=print,
+                 start_worker: bool = True):
     """The FastAPI app and its worker for generator ``bg`` (model, tokenizer, drafter, acceptor)."""
     if max_batch < 1:
         raise HydraspecError(f"--max-batch must be at least 1, got {max_batch}")
@@ -41,13 +45,35 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         f"allocated now; context {context} tokens per request")
     worker = EngineWorker(engine, max_queue)
     config = ServerConfig(model_name=model_name, capacity=capacity, max_nodes=bg.max_nodes, api_key=api_key)
-    app = create_app(worker, bg.tokenizer, bg.base.encode, config)
+    app = create_app(worker, bg.tokenizer, bg.base.encode, config, start_worker)
     return app, worker, rule
 
 
-def run(app, host: str, port: int) -> None:
-    """Serve until Ctrl-C / SIGTERM (uvicorn stops accepting, the lifespan cancels running rows)."""
+def run(app, worker: EngineWorker, host: str, port: int) -> None:
+    """Serve until Ctrl-C / SIGTERM: HTTP (uvicorn) in a background thread, the engine in this one (built with
+    start_worker=False). On a signal the open requests are cancelled, uvicorn stops and the call returns."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="hydraspec-http", daemon=True)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            signal.signal(signal.SIGTERM, previous)
+            raise HydraspecError(f"could not listen on {host}:{port} (see the message above)")
+        time.sleep(0.05)
+    try:
+        worker.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        quiet = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        server.should_exit = True
+        http.join(15)
+        signal.signal(signal.SIGINT, quiet)
+        signal.signal(signal.SIGTERM, previous)
     print("hydraspec serve: stopped", file=sys.stderr)
