@@ -5,8 +5,10 @@ With R running rows each drafting k tokens, one verify forward holds R (k + 1) t
 beyond the points). If each drafted token is accepted with probability a given the ones before it, a row
 emits on average (1 - a^(k+1)) / (1 - a) tokens per step. The rule picks the k in 0..k_max that maximises
 R (1 - a^(k+1)) / (1 - a) / c(R (k + 1)), the expected tokens per second of the whole batch; k = 0 (plain
-decoding) wins when the forward's cost grows faster than acceptance pays. ``a`` is estimated online from
-the engine's own counts (accepted drafts and misses), starting from a prior of 0.5 worth 20 draws.
+decoding) wins when the forward's cost grows faster than acceptance pays, and unless drafting is expected to
+beat it by PAY_MARGIN (the model leaves out per-row drafting and acceptance work, which grows with the rows).
+``a`` is estimated online from the engine's own counts (accepted drafts and misses), starting from a prior
+of 0.5 worth 20 draws.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
+PAY_MARGIN = 1.15
 SIZES = (1, 2, 4, 8, 16, 32)
 
 
@@ -68,8 +71,9 @@ class AdaptiveDraft:
 
     def best_k(self, rows: int, a: float | None = None) -> int:
         a = min(self.rate() if a is None else a, 0.999)
-        best, best_k = -1.0, 0
-        for k in range(self.k_max + 1):
+        plain = rows / self.cost(rows)
+        best, best_k = plain * PAY_MARGIN, 0
+        for k in range(1, self.k_max + 1):
             gain = rows * (1 - a ** (k + 1)) / (1 - a) / self.cost(rows * (k + 1))
             if gain > best * 1.0001:
                 best, best_k = gain, k
