@@ -115,17 +115,20 @@ class EngineWorker:
         if fn is not None:
             fn("done", req.result)
 
-    def _abort_all(self) -> None:
-        """Tell every open request it was cancelled (after an interrupted step: the engine is not reused)."""
-        reqs = [r.req for r in self.engine.active] + list(self.engine.waiting)
+    def _drain_adds(self) -> list[Request]:
+        """Empty the inbox; the requests it still held."""
+        out = []
         while True:
             try:
                 kind, req = self.inbox.get_nowait()
             except queue.Empty:
-                break
+                return out
             if kind == "add":
-                reqs.append(req)
-        for req in reqs:
+                out.append(req)
+
+    def _abort_all(self) -> None:
+        """Tell every open request it was cancelled (after an interrupted step: the engine is not reused)."""
+        for req in [r.req for r in self.engine.active] + list(self.engine.waiting) + self._drain_adds():
             if req.result is None:
                 req.result = GenerationResult(text="", token_ids=[], prompt_ids=list(req.ids), stats=Stats(),
                                               finish_reason="cancelled")
@@ -182,13 +185,8 @@ class EngineWorker:
             for req in done:
                 self._finish(req)
         # shutting down: cancel everything still here and tell its callers
-        while True:
-            try:
-                kind, req = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                eng.add(req)
+        for req in self._drain_adds():
+            eng.waiting.append(req)
         for r in list(eng.active):
             eng.cancel(r.req)
         for q in list(eng.waiting):
