@@ -14,7 +14,8 @@ import torch
 
 from .drafters.base import Drafter, NoDrafter
 from .drafters.heads import HeadDrafter
-from .engine import Engine, Request, text_config
+from .cache import text_config
+from .engine import Engine, Request
 from .errors import HydraspecError
 from .generator import GenerationResult, SpeculativeGenerator
 from .sampling import Sampling

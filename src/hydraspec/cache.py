@@ -97,6 +97,10 @@ class SpecCache(Cache):
             layer.keep(start, idx)
 
 
+def text_config(model):
+    """The decoder's config (a multimodal model's text part; the model's own config otherwise)."""
+    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+
+
 def new_cache(model, capacity: int) -> SpecCache:
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return SpecCache(cfg.num_hidden_layers, capacity)
+    return SpecCache(text_config(model).num_hidden_layers, capacity)

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .accept import ACCEPTORS
-from .cache import new_cache
+from .cache import new_cache, text_config
 from .drafters.base import DecodeState, Drafter, NoDrafter
 from .errors import HydraspecError
 from .generator import GenerationResult, Stats, fit_vocab, stop_at, trim_after_stop
@@ -42,11 +42,7 @@ from .drafters.heads import HeadDrafter, prefix_closed, reindex
 from .sampling import Sampling, sample_without_replacement
 from .tree import DraftTree, chain, shape_of
 
-__all__ = ["Request", "Engine", "text_config", "propose_heads_batched"]
-
-
-def text_config(model):
-    return model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+__all__ = ["Request", "Engine", "cancelled_result", "propose_heads_batched"]
 
 
 @dataclass(eq=False)
@@ -63,6 +59,11 @@ class Request:
     tag: object = None  # the caller's handle (e.g. the input position)
     result: GenerationResult | None = None
     cancelled: bool = False
+
+
+def cancelled_result(req: Request) -> GenerationResult:
+    """The result of a request cancelled before it produced anything that is kept."""
+    return GenerationResult(text="", token_ids=[], prompt_ids=list(req.ids), stats=Stats(), finish_reason="cancelled")
 
 
 @dataclass
@@ -154,7 +155,6 @@ class Engine:
         return None if self.verify_budget is None else max(1, self.verify_budget // n_active - 1)
 
     def _admit(self) -> None:
-        self.waiting = [q for q in self.waiting if not self._drop_cancelled(q)]
         k = min(self.rows - len(self.active), len(self.waiting))
         if k <= 0:
             return
@@ -189,12 +189,6 @@ class Engine:
         self.active.extend(new)
         self.admissions += 1
 
-    def _drop_cancelled(self, req: Request) -> bool:
-        if req.cancelled:
-            req.result = GenerationResult(text="", token_ids=[], prompt_ids=list(req.ids), stats=Stats(),
-                                          finish_reason="cancelled")
-        return req.cancelled
-
     def _accept_name(self, sampling: Sampling) -> str:
         return "greedy" if sampling.greedy else (self.acceptor or "lossless")
 
@@ -204,6 +198,9 @@ class Engine:
         """Admit waiting requests, drop cancelled rows, run one draft / verify / accept step; returns the
         requests finished in this step (their ``result`` set)."""
         done: list[Request] = [q for q in self.waiting if q.cancelled]
+        for q in done:
+            q.result = cancelled_result(q)
+        self.waiting = [q for q in self.waiting if not q.cancelled]
         self._leave([b for b, r in enumerate(self.active) if r.req.cancelled], "cancelled", done)
         self._admit()
         if not self.active:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .accept import ACCEPTORS, Acceptance
-from .cache import new_cache
+from .cache import new_cache, text_config
 from .drafters.base import DecodeState, Drafter, NoDrafter
 from .errors import HydraspecError
 from .sampling import Sampling, sample
@@ -73,8 +73,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 
 def context_limit(model) -> int | None:
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return getattr(cfg, "max_position_embeddings", None)
+    return getattr(text_config(model), "max_position_embeddings", None)
 
 
 class SpeculativeGenerator:
@@ -96,7 +95,7 @@ class SpeculativeGenerator:
         self.typical = {"epsilon": typical_epsilon, "alpha": typical_alpha}
         self.eos = eos_ids(model, tokenizer)
         self.ctx = context_limit(model)
-        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model)
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
 
     # -- prompts --------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from ..cache import text_config
+
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
 PAY_MARGIN = 1.15
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -27,7 +29,7 @@ def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 3) 
     """Seconds of one target forward over n new tokens after ``prefix`` tokens, best of ``repeats``, made
     non-decreasing in n (a forward over more tokens never costs less; a smaller figure is noise)."""
     dev = model.device
-    vocab = model.config.get_text_config(decoder=True).vocab_size
+    vocab = text_config(model).vocab_size
     g = torch.Generator().manual_seed(0)
     start = torch.randint(10, min(vocab, 1000), (1, prefix), generator=g).to(dev)
     out = {}

@@ -96,8 +96,6 @@ def _text_content(m: ChatMessage) -> str:
 def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, start_worker: bool = True) -> FastAPI:
     """encode(prompt, chat) -> token ids (the generator's chat template). The worker is stopped with the
     app's lifespan, and started with it unless ``start_worker`` is False (the caller runs it)."""
-    eos_free_decode = tokenizer.decode
-
     @asynccontextmanager
     async def lifespan(app):
         if start_worker:
@@ -117,9 +115,6 @@ def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, st
     class Live:  # values read from the worker when scraped
         def collect(self):
             c = worker.counters
-            for t in c.verify_s[:]:
-                m_verify.observe(t)
-            c.verify_s.clear()
             yield GaugeMetricFamily("hydraspec_queue_length", "Requests waiting for a row", value=worker.queue_length)
             yield GaugeMetricFamily("hydraspec_running_rows", "Requests decoding now", value=worker.running_rows)
             yield GaugeMetricFamily("hydraspec_tokens_per_second", "Generated tokens per second over the last 10 s",
@@ -130,6 +125,7 @@ def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, st
             yield GaugeMetricFamily("hydraspec_verify_steps", "Batched verify forwards since start", value=c.steps)
 
     registry.register(Live())
+    worker.on_step = m_verify.observe
 
     # -- errors ------------------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
@@ -246,7 +242,7 @@ def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, st
 
         def add(self, ids: list[int]) -> str:
             self.ids.extend(ids)
-            text = eos_free_decode(self.ids, skip_special_tokens=True)
+            text = tokenizer.decode(self.ids, skip_special_tokens=True)
             text = text.rstrip("\ufffd")
             safe = text[: len(text) - self.hold] if self.hold else text
             if len(safe) <= len(self.sent) or not safe.startswith(self.sent):

@@ -30,7 +30,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
     if context < 16:
         raise HydraspecError(f"--max-context must be at least 16 tokens, got {context}")
     capacity = context + bg.max_nodes + 1
-    need = bg.estimate_bytes([1] * max_batch, capacity - 1 - bg.max_nodes - 1)
+    need = bg.estimate_bytes([context] * max_batch, 0)  # capacity slots per row, target + draft model
     bg.check_memory(need, max_batch, None, bg.logits_bytes(max_batch))
     rule = None
     if adaptive and bg.drafter.max_nodes > 0:

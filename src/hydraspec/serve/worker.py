@@ -10,8 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine import Engine, Request
-from ..generator import GenerationResult, Stats
+from ..engine import Engine, Request, cancelled_result
 
 log = logging.getLogger("hydraspec.serve")
 
@@ -25,7 +24,6 @@ class Counters:
     """What /metrics reports, updated by the worker thread."""
 
     steps: int = 0
-    verify_s: list = field(default_factory=list)  # verify-step times since the last read
     tokens: int = 0
     row_forwards: int = 0  # one per row per step
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) per step
@@ -55,6 +53,7 @@ class EngineWorker:
         self.events: dict[int, Callable] = {}
         self.stopping = False
         self.step_tokens = 0
+        self.on_step: Callable[[float], None] | None = None  # called with each verify step's seconds
         self.thread = threading.Thread(target=self._loop, name="hydraspec-engine", daemon=True)
 
     def start(self) -> None:
@@ -130,8 +129,7 @@ class EngineWorker:
         """Tell every open request it was cancelled (after an interrupted step: the engine is not reused)."""
         for req in [r.req for r in self.engine.active] + list(self.engine.waiting) + self._drain_adds():
             if req.result is None:
-                req.result = GenerationResult(text="", token_ids=[], prompt_ids=list(req.ids), stats=Stats(),
-                                              finish_reason="cancelled")
+                req.result = cancelled_result(req)
             self._finish(req)
 
     def _take(self, block: bool) -> bool:
@@ -178,7 +176,8 @@ class EngineWorker:
             if eng.forwards > before:
                 c = self.counters
                 c.steps += 1
-                c.verify_s.append(eng.last_verify_s)
+                if self.on_step is not None:
+                    self.on_step(eng.last_verify_s)
                 c.row_forwards += eng.last_rows
                 c.tokens += self.step_tokens
                 c.recent.append((time.monotonic(), self.step_tokens))
