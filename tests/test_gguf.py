@@ -72,6 +72,38 @@ def test_rows_are_independent(type_name, native, monkeypatch):
     assert ((full.float() - dense).abs() <= 0.05 * scale).all()  # int8 activations: close, not equal
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_joined_siblings_compute_what_each_weight_computes(native, monkeypatch):
+    """q/k/v (or gate/up) joined into one weight give each projection exactly its own output, whatever
+    the order of the calls, and a format that differs (here v at 6 bits) stays a separate weight."""
+    import hydraspec.gguf_weights as gw
+    from hydraspec.gguf_weights import can_concat
+    from hydraspec.shared_input import Projection, fuse_siblings
+
+    if native and gw._gguf_lib() is None:
+        pytest.skip("no native GGUF kernel on this CPU")
+    if not native:
+        monkeypatch.setattr(gw, "_gguf_lib", lambda: None)
+    parts = {"q_proj": ("Q4_K", 64), "k_proj": ("Q4_K", 32), "v_proj": ("Q6_K", 32)}
+    attn = torch.nn.Module()
+    for i, (name, (kind, rows)) in enumerate(parts.items()):
+        setattr(attn, name, GGUFLinear(decode(kind, random_tensor(kind, rows, 512, seed=i), rows, 512),
+                                       bias=torch.randn(rows)))
+    alone = {n: getattr(attn, n) for n in parts}
+    assert not can_concat(list(alone.values()))  # Q6_K beside Q4_K
+    assert fuse_siblings(attn, can_concat, GGUFLinear.concat) == 1
+    assert isinstance(attn.q_proj, Projection) and isinstance(attn.k_proj, Projection)
+    assert attn.v_proj is alone["v_proj"]
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    for order in (["q_proj", "k_proj", "v_proj"], ["k_proj", "q_proj", "k_proj", "v_proj", "q_proj"]):
+        for n in order:
+            assert torch.equal(getattr(attn, n)(x), alone[n](x)), n
+    y = torch.randn(3, 512, dtype=torch.bfloat16)
+    assert torch.equal(attn.q_proj(x), alone["q_proj"](x)) and torch.equal(attn.k_proj(y), alone["k_proj"](y))
+    attn.q_proj(x), attn.k_proj(x)
+    assert attn.q_proj.shared._x is None  # nothing held once every part has taken its columns
+
+
 def _write_tiny_llama(path, types):
     """A one-layer llama GGUF (hidden 256, 4 heads, 2 kv heads) with random weights of the given types."""
     w = gguf.GGUFWriter(str(path), "llama")

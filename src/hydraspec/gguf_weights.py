@@ -27,7 +27,7 @@ from torch import nn
 
 from hydraspec.errors import HydraspecError
 
-__all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "quantize_rows_grouped"]
+__all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped"]
 
 PACK_BLOCK = 32
 
@@ -181,6 +181,18 @@ def _pack_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if pad:
         t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
     return t.view(-1, PACK_BLOCK, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def can_concat(parts: list["GGUFLinear"]) -> bool:
+    """Whether :meth:`GGUFLinear.concat` can join ``parts``: one format (bits, groups, zero point, scale
+    levels), one input size, and every part but the last a whole number of 32-row blocks."""
+    if len(parts) < 2 or not all(isinstance(p, GGUFLinear) for p in parts):
+        return False
+
+    def form(p):
+        return (p.in_features, p.bits, p.group, p.zero, p.per_d,
+                tuple(n for n, t in p._buffers.items() if t is None and n != "bias32"))
+    return len({form(p) for p in parts}) == 1 and all(p.out_features % PACK_BLOCK == 0 for p in parts[:-1])
 
 
 def _gguf_lib():
@@ -344,15 +356,43 @@ class GGUFLinear(nn.Module):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
-            b = self._buffers
-            ptr = [None if b[n] is None else b[n].data_ptr()
-                   for n in ("qhigh", "scale", "minimum", "d", "sub_scale", "dmin", "sub_min", "bias32")]
-            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], self.in_features, b["qweight"].data_ptr(), *ptr[:7],
-                                  self.per_d, self.zero, self.group, self.bits, self.out_features, y.data_ptr(),
-                                  ptr[7], torch.get_num_threads()):
+            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], *self._kernel_args(), y.data_ptr(), self._bias_ptr,
+                                  torch.get_num_threads()):
                 raise MemoryError("hydraspec CPU kernel: out of memory")
             return y.view(*shape[:-1], self.out_features)
         return self.reference(x)
+
+    def _kernel_args(self) -> tuple:
+        """The kernel's weight arguments, cached while the codes stay where they are."""
+        b = self._buffers
+        key = b["qweight"].data_ptr()
+        if getattr(self, "_args_key", None) != key:
+            ptr = [None if b[n] is None else b[n].data_ptr()
+                   for n in ("qweight", "qhigh", "scale", "minimum", "d", "sub_scale", "dmin", "sub_min", "bias32")]
+            self._args = (self.in_features, *ptr[:8], self.per_d, self.zero, self.group, self.bits, self.out_features)
+            self._bias_ptr, self._args_key = ptr[8], key
+        return self._args
+
+    @classmethod
+    def concat(cls, parts: list["GGUFLinear"]) -> "GGUFLinear":
+        """One GGUFLinear whose outputs are those of ``parts`` one after another (same input, same format,
+        every part but the last a whole number of 32-row blocks: see :func:`can_concat`). Each output is
+        computed exactly as its part computes it."""
+        if not can_concat(parts):
+            raise HydraspecError("these GGUF weights differ in format or block alignment and cannot be joined")
+        first = parts[0]
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = first.in_features, sum(p.out_features for p in parts)
+        self.bits, self.group, self.zero, self.per_d = first.bits, first.group, first.zero, first.per_d
+        for name, t in first._buffers.items():
+            if name == "bias32":
+                continue
+            self.register_buffer(name, None if t is None else torch.cat([p._buffers[name] for p in parts]))
+        biases = [p.bias32 for p in parts]
+        self.register_buffer("bias32", None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)]))
+        return self
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's arithmetic in torch: exact integer group sums (fp32 holds them exactly), scaled and

@@ -867,6 +867,11 @@ def load_model(
 
         fuse_norms(model)
     if prepack or (prepack is None and os.environ.get("HYDRASPEC_PREPACK", "1") != "0"):
+        if quant == "gguf":  # q/k/v and gate/up of one format in one kernel call each
+            from .gguf_weights import GGUFLinear, can_concat
+            from .shared_input import fuse_siblings
+
+            fuse_siblings(model, can_concat, GGUFLinear.concat)
         if dev == "cpu":
             from .kernels import prepack as _prepack
 
