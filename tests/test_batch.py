@@ -51,6 +51,9 @@ DRAFTERS = {
     "medusa": lambda m: make_drafter("medusa", heads=heads("medusa"), embed=m.get_input_embeddings(), tree=TREE),
     "hydra": lambda m: make_drafter("hydra", heads=heads("hydra"), embed=m.get_input_embeddings(), tree=TREE),
     "hydra++": lambda m: make_drafter("hydra++", heads=heads("hydra++"), embed=m.get_input_embeddings(), tree=TREE),
+    # prompt lookup merged into Hydra++'s tree: each row forks both (the prefix-layer cache, the lookup length)
+    "pld+hydra++": lambda m: make_drafter("pld+hydra++", heads=heads("hydra++"), embed=m.get_input_embeddings(),
+                                          tree=TREE, pld_tokens=5, pld_min_ngram=1),
 }
 
 
@@ -359,7 +362,8 @@ def test_lossless_sampling_in_a_batch_follows_the_target(widths):
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "draft-chain", "draft-tree", "medusa", "hydra", "hydra++"])
+@pytest.mark.parametrize("method", ["ar", "pld", "draft-chain", "draft-tree", "medusa", "hydra", "hydra++",
+                                    "pld+hydra++"])
 def test_sampled_rows_equal_batch_of_one_with_the_same_seed(method, tok):
     """Row i of a batch draws from its own generator seeded seed + i, in the same order as a batch-1 run,
     so (up to float rounding of batched forwards) it samples exactly what that run samples."""

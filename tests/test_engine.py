@@ -14,7 +14,7 @@ from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
 from hydraspec.cache import new_cache
 from hydraspec.drafters.draft_model import DraftModelDrafter
 from hydraspec.drafters.prompt_lookup import PromptLookupDrafter
-from hydraspec.generator import eos_ids
+from hydraspec.inputs import eos_ids
 from hydraspec.tree import DraftTree, chain, load_tree_spec, parents_from_paths, shape_of
 from hydraspec.verify import forward_nodes
 

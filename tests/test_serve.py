@@ -180,7 +180,7 @@ def test_full_queue_gets_429():
 
 
 def test_disconnect_mid_stream_frees_the_row_and_leaves_others_intact():
-    with server("pld", max_batch=4) as (base, worker):
+    with server("pld", max_batch=4, max_context=480) as (base, worker):  # room for a long stream to cut
         finished = []
         fin = worker._finish
 
@@ -201,7 +201,7 @@ def test_disconnect_mid_stream_frees_the_row_and_leaves_others_intact():
         with httpx.Client(timeout=30) as h:
             with h.stream("POST", base + "/v1/chat/completions",
                           json={"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[1]}],
-                                "temperature": 0, "max_tokens": 150, "stream": True}) as r:
+                                "temperature": 0, "max_tokens": 400, "stream": True}) as r:
                 lines = r.iter_lines()
                 for _ in range(6):
                     next(lines)

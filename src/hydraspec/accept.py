@@ -110,3 +110,10 @@ def accept_typical(shape: TreeShape, tokens: list[int], logits: torch.Tensor, sa
 
 
 ACCEPTORS = {"greedy": accept_greedy, "lossless": accept_lossless, "typical": accept_typical}
+
+
+def fit_vocab(q: torch.Tensor, v: int) -> torch.Tensor:
+    """A drafter's distributions q [n, V'] cut or zero-padded to the target's vocabulary of v."""
+    if q.shape[-1] > v:
+        return q[:, :v]
+    return torch.nn.functional.pad(q, (0, v - q.shape[-1]))

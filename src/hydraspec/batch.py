@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .accept import ACCEPTORS
 from .drafters.base import Drafter, NoDrafter
 from .drafters.heads import HeadDrafter
 from .cache import text_config
 from .engine import Engine, Request
 from .errors import HydraspecError
-from .generator import GenerationResult, SpeculativeGenerator
+from .inputs import check_length, check_sampling, encode_prompt, eos_ids
+from .results import GenerationResult
 from .sampling import Sampling
 from .verify import check_supported
 
@@ -141,12 +143,13 @@ class BatchGenerator:
         if verify_budget is not None and verify_budget < 2:
             raise HydraspecError(f"verify_budget must be at least 2 tokens, got {verify_budget}")
         self.verify_budget = verify_budget
-        self.base = SpeculativeGenerator(model, tokenizer, drafter, acceptor=acceptor,
-                                         typical_epsilon=typical_epsilon, typical_alpha=typical_alpha)
+        if acceptor is not None and acceptor not in ACCEPTORS:
+            raise HydraspecError(f"unknown acceptor '{acceptor}'; known: {', '.join(ACCEPTORS)}")
         self.model, self.tokenizer = model, tokenizer
         self.drafter = drafter or NoDrafter()
         self.acceptor = acceptor
-        self.typical = self.base.typical
+        self.typical = {"epsilon": typical_epsilon, "alpha": typical_alpha}
+        self.eos = eos_ids(model, tokenizer)
         self.trees = self._tree_drafters(trees)
 
     def _tree_drafters(self, trees) -> list[tuple[int, Drafter]]:
@@ -212,20 +215,17 @@ class BatchGenerator:
         anyway. on_result(i, result): called as soon as input row i is finished (e.g. to write it out)."""
         if max_new_tokens <= 0:
             raise HydraspecError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if temperature < 0 or not (0 < top_p <= 1) or top_k < 0:
-            raise HydraspecError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        check_sampling(temperature, top_p, top_k)
         if input_ids is not None:
             all_ids = [list(map(int, x)) for x in input_ids]
         else:
             if prompts is None or isinstance(prompts, str):
                 raise HydraspecError("generate_batch takes a list of prompts")
-            all_ids = [[int(t) for t in p] if _is_ids(p) else self.base.encode(p, chat=chat) for p in prompts]
+            all_ids = [[int(t) for t in p] if _is_ids(p) else encode_prompt(self.tokenizer, p, chat) for p in prompts]
         if not all_ids:
             raise HydraspecError("no prompts given")
         for i, ids in enumerate(all_ids):
-            if not ids:
-                raise HydraspecError(f"prompt {i} is empty")
-            self._check_length(i, len(ids), max_new_tokens)
+            check_length(self.model, len(ids), max_new_tokens, f"prompt {i}")
         bs = batch_size or len(all_ids)
         if bs < 1:
             raise HydraspecError(f"batch size must be at least 1, got {bs}")
@@ -258,19 +258,10 @@ class BatchGenerator:
 
     def engine(self, rows: int, capacity: int, keep_hidden: bool = False, draft_cap=None) -> Engine:
         """An Engine of ``rows`` rows of ``capacity`` cache slots with this generator's drafter and settings."""
-        return Engine(self.model, self.tokenizer, self.drafter, self.base.eos, rows=rows, capacity=capacity,
+        return Engine(self.model, self.tokenizer, self.drafter, self.eos, rows=rows, capacity=capacity,
                       acceptor=self.acceptor, typical=self.typical, trees=self.trees,
                       verify_budget=self.verify_budget, draft_cap=draft_cap, keep_hidden=keep_hidden)
 
-    def _check_length(self, i: int, n: int, max_new_tokens: int) -> None:
-        total = n + max_new_tokens
-        ctx, window = self.base.ctx, self.base.window
-        if ctx and total > ctx:
-            raise HydraspecError(f"prompt {i} ({n} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                                 f"model's context of {ctx} tokens")
-        if window and total > window:
-            raise HydraspecError(f"prompt {i} + max_new_tokens ({total}) exceeds the model's sliding window "
-                                 f"({window}); tree attention over a sliding window is not supported")
 
 def _is_ids(p) -> bool:
     """A prompt given as token ids (a non-empty list/tuple of ints or a 1D tensor) rather than text/messages."""

@@ -148,9 +148,6 @@ def cmd_generate_batch(args) -> int:
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method.startswith("pld+"):
-        raise HydraspecError(f"method '{args.method}' is not available with --batch-size; use pld or "
-                             f"{args.method[4:]} there")
     if args.method == "draft" and not args.draft_model:
         raise HydraspecError("method 'draft' needs --draft-model")
     if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
@@ -405,9 +402,6 @@ def cmd_serve(args) -> int:
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method.startswith("pld+"):
-        raise HydraspecError(f"method '{args.method}' is not available in the server yet; use pld or "
-                             f"{args.method[4:]}")
     try:
         from .serve.server import build_server, run
     except ImportError as e:

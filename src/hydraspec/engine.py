@@ -17,32 +17,33 @@ Guarantee: every request's output is what it would be decoded alone (greedy: tok
 the same distribution, and with its own seed the same draws), whatever runs beside it. Each request
 carries its own sampling settings, token budget and stop strings.
 
-Drafters are per-sequence objects, so every row gets its own shallow copy of the drafter (models and
-heads are shared, per-sequence state is not). Two drafters are batched across rows: draft-model chains
+Drafters are per-sequence objects: one row decodes with the engine's drafter itself, every other row with
+its own ``drafter.fork()`` (models and heads are shared, per-sequence state is not). Two drafters are batched across rows: draft-model chains
 (_BatchDraft: one B-row draft cache in the same layout, one draft forward per depth) and Medusa/Hydra
 heads (propose_heads_batched: one heads call per depth). A Medusa/Hydra drafter can use a different
 static tree per number of active rows (``trees={batch_size: paths}``).
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .accept import ACCEPTORS
-from .cache import new_cache, text_config
+from .accept import ACCEPTORS, fit_vocab
+from .cache import allocate_rows, compact, new_cache, select_rows, set_length, use_rows
 from .drafters.base import DecodeState, Drafter, NoDrafter
 from .errors import HydraspecError
-from .generator import GenerationResult, Stats, fit_vocab, stop_at, trim_after_stop
+from .results import GenerationResult, Stats
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.heads import HeadDrafter, prefix_closed, reindex
 from .sampling import Sampling, sample_without_replacement
 from .tree import DraftTree, chain, shape_of
+from .verify import ragged_mask
 
-__all__ = ["Request", "Engine", "cancelled_result", "propose_heads_batched"]
+__all__ = ["Request", "Engine", "cancelled_result", "propose_heads_batched", "prefill_rows", "stop_at",
+           "trim_after_stop"]
 
 
 @dataclass(eq=False)
@@ -160,13 +161,14 @@ class Engine:
             return
         t0 = time.perf_counter()
         new = []
+        proto_free = all(r.drafter is not self.drafter for r in self.active)
         for req in self.waiting[:k]:
             sampling = req.sampling
             gen = None
             if not sampling.greedy or self._accept_name(sampling) == "typical":
                 gen = torch.Generator().manual_seed(req.seed if req.seed is not None else torch.seed())
             state = DecodeState(tokens=list(req.ids), prompt_len=len(req.ids), sampling=sampling, generator=gen)
-            new.append(_Row(req=req, ids=list(req.ids), drafter=copy.copy(self.drafter), state=state, gen=gen,
+            new.append(_Row(req=req, ids=list(req.ids), drafter=self._row_drafter(proto_free and not new), state=state, gen=gen,
                             stats=Stats(prompt_tokens=len(req.ids))))
         del self.waiting[:k]
         first = len(self.active)
@@ -188,6 +190,11 @@ class Engine:
             r.stats.prefill_s = t1 - t0
         self.active.extend(new)
         self.admissions += 1
+
+    def _row_drafter(self, proto_free: bool) -> Drafter:
+        """The drafter itself for a row while no other row uses it (so a one-row run decodes with the caller's
+        object), else a fork."""
+        return self.drafter if proto_free else self.drafter.fork()
 
     def _accept_name(self, sampling: Sampling) -> str:
         return "greedy" if sampling.greedy else (self.acceptor or "lossless")
@@ -256,8 +263,7 @@ class Engine:
             pos[b, :n] = r.length + shape.depth
             pos[b, n:] = r.length
             tree_allowed[b, :n, :n] = shape.ancestors
-        for layer in self.cache.layers:
-            layer.length = W
+        set_length(self.cache, W)
         mask = ragged_mask([r.length for r in active], W, tree_allowed, model.dtype, dev)
         out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
                     past_key_values=self.cache, use_cache=True, output_hidden_states=self.need_hidden)
@@ -298,16 +304,16 @@ class Engine:
             r.stats.accept_s += tb - ta
             if r.req.on_tokens is not None and emitted:
                 r.req.on_tokens(r.req, emitted)
+            if self.bd is not None and cap != 0:
+                self.bd.observe(r, len(acc.path) - 1)
+            elif len(tree) or r.done:  # the last step too: a drafter sees every verdict
+                self._drafter_for(r, n_active).observe(r.state, [i - 1 for i in acc.path[1:]])
+            r.stats.draft_s += time.perf_counter() - tb
             if r.done:
-                r.stats.wall_s = tb - r.t_start
+                r.stats.wall_s = time.perf_counter() - r.t_start
                 finished.append(b)
-            else:
-                if self.bd is not None and cap != 0:
-                    self.bd.observe(r, len(acc.path) - 1)
-                elif len(tree):
-                    self._drafter_for(r, n_active).observe(r.state, [i - 1 for i in acc.path[1:]])
-                r.stats.draft_s += time.perf_counter() - tb
-        compact(self.cache, src.to(dev), dst.to(dev))
+        if not torch.equal(src, dst):  # a row's accepted chain may already sit where it belongs
+            compact(self.cache, src.to(dev), dst.to(dev))
 
         # 4. finished rows leave the batch
         self._leave(finished, None, done)
@@ -383,7 +389,8 @@ class _BatchDraft:
 
     @staticmethod
     def make(drafter, capacity: int, rows_max: int):
-        if type(drafter) is not DraftModelDrafter or drafter.widths or drafter.leaves:  # leaves: per row
+        if type(drafter) is not DraftModelDrafter or drafter.widths or drafter.leaves or \
+                drafter.tree_parents is not None:  # trees and leaves: per row
             return None
         return _BatchDraft(drafter, capacity, rows_max)
 
@@ -415,8 +422,7 @@ class _BatchDraft:
                 tree_allowed[b, :c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
                 src[b, :c] = W + torch.arange(c)
                 dst[b, :c] = r.d_len + torch.arange(c)
-        for layer in self.cache.layers:
-            layer.length = W
+        set_length(self.cache, W)
         mask = ragged_mask([r.d_len for r in active], W, tree_allowed, self.model.dtype, dev)
         out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
                          past_key_values=self.cache, use_cache=True)
@@ -478,8 +484,9 @@ def propose_heads_batched(drafter, states: list[DecodeState], row_drafters=None)
     """HeadDrafter.propose for many rows at once (same trees, same tokens, same random draws per row's
     generator), calling each head once per depth for all rows instead of once per row: the heads' vocabulary
     projection is read once per depth. None when `drafter` is not a head drafter (then call it per row)."""
-    if not isinstance(drafter, HeadDrafter) or not all(hasattr(drafter, a) for a in ("levels", "paths", "ranks")):
-        return None
+    if not isinstance(drafter, HeadDrafter) or type(drafter).propose is not HeadDrafter.propose or \
+            not all(hasattr(drafter, a) for a in ("levels", "paths", "ranks")):
+        return None  # a subclass with its own proposal is asked row by row
     out: list = [DraftTree.empty() for _ in states]
     live = [j for j, s in enumerate(states) if s.hidden is not None]
     if not live:
@@ -535,26 +542,6 @@ def propose_heads_batched(drafter, states: list[DecodeState], row_drafters=None)
     return out
 
 
-def allocate_rows(cache, model, rows: int) -> None:
-    """Allocate every layer's buffers for `rows` rows now (SlotLayer would allocate at its first write)."""
-    cfg = text_config(model)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    empty = torch.empty(rows, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
-    for layer in cache.layers:
-        layer.lazy_initialization(empty, empty)
-        layer.full_k, layer.full_v = layer.k_buf, layer.v_buf
-        layer.length = 0
-
-
-def use_rows(cache, start: int, stop: int) -> None:
-    """Make the layers read and write rows [start, stop) of their full buffers."""
-    for layer in cache.layers:
-        layer.k_buf, layer.v_buf = layer.full_k[start:stop], layer.full_v[start:stop]
-        layer.keys = layer.k_buf[:, :, : layer.length]
-        layer.values = layer.v_buf[:, :, : layer.length]
-
-
 @torch.inference_mode()
 def prefill_rows(model, cache, first: int, rows: list[_Row], need_hidden: bool, draft: bool = False) -> None:
     """Write every new row's prompt but its last token into cache rows [first, first + len(rows)), slots
@@ -566,57 +553,32 @@ def prefill_rows(model, cache, first: int, rows: list[_Row], need_hidden: bool, 
         for r, n in zip(rows, lens):
             r.length = n
     dev = model.device
-    saved = [layer.length for layer in cache.layers]
+    saved = cache.length
     for b, (r, n) in enumerate(zip(rows, lens)):
         if n == 0:
             continue
         use_rows(cache, first + b, first + b + 1)
-        for layer in cache.layers:
-            layer.length = 0
+        set_length(cache, 0)
         out = model(input_ids=torch.tensor([r.ids[:-1]], device=dev), position_ids=torch.arange(n, device=dev)[None],
                     past_key_values=cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
         if need_hidden:
             h = out.hidden_states[-1][0]
             r.state.hidden = h[n - 1]
             r.state.new_hidden = h[:n]
-    for layer, n in zip(cache.layers, saved):  # the caller selects the rows to use next
-        layer.length = n
+    set_length(cache, saved)  # the caller selects the rows to use next
 
 
-def ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, device) -> torch.Tensor:
-    """[B, 1, N, W + N] additive mask, built on the device: row b's N new nodes (written at slots
-    [W, W + N)) see its cache [0, lengths[b]) and, among the new slots, what tree_allowed[b] ([N, N] bool)
-    allows; the gap [lengths[b], W) is hidden."""
-    B, N, _ = tree_allowed.shape
-    prefix = torch.arange(W, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, W]
-    allowed = torch.cat([prefix[:, None, :].expand(B, N, W), tree_allowed.to(device)], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+def stop_at(tokenizer, new: list[int], n_before: int, stops: list[str]) -> int | None:
+    """Smallest token count (> n_before) whose decoded text contains a stop string, or None."""
+    if not any(s in tokenizer.decode(new, skip_special_tokens=True) for s in stops):
+        return None
+    for n in range(n_before + 1, len(new) + 1):
+        text = tokenizer.decode(new[:n], skip_special_tokens=True)
+        if any(s in text for s in stops):
+            return n
+    return None
 
 
-def compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Per row b: slots dst[b] <- slots src[b] (padding entries copy a slot onto itself). Advanced
-    indexing, not gather/scatter with an expanded index: those took ~35 ms per layer buffer on a CPU
-    at 2,000 slots (and grew with the slots); this takes ~15 us."""
-    rows = torch.arange(src.shape[0], device=src.device)[:, None]
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False):
-            continue
-        for name in ("k_buf", "v_buf"):
-            buf = getattr(layer, name)
-            buf[rows, :, dst] = buf[rows, :, src]  # [B, N, heads, dim] read first, then written
-
-
-def select_rows(cache, keep: torch.Tensor) -> None:
-    """Drop the cache rows of finished sequences: the kept rows move to the front of the same buffers
-    (allocated once, never grown) and the layers see only those rows from now on."""
-    n = keep.numel()
-    if not torch.equal(keep.cpu(), torch.arange(n)):
-        for layer in cache.layers:
-            for name in ("full_k", "full_v"):
-                buf = getattr(layer, name)
-                buf[:n] = buf[keep]
-    use_rows(cache, 0, n)
-
-
+def trim_after_stop(text: str, stops: list[str]) -> str:
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    return text[: min(ends)] if ends else text

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .home import hydraspec_home
+
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-shared", "-fPIC"]
 _CFLAGS_AVX2 = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 
@@ -91,8 +93,6 @@ def build_native(isa: str):
     src = Path(__file__).with_name("csrc") / ("bf16_linear.c" if isa == "avx512" else "avx2_linear.c")
     if not src.exists():
         return None
-    from .models import hydraspec_home
-
     flags = _CFLAGS if isa == "avx512" else _CFLAGS_AVX2
     text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # and the headers
     key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hydraspec.errors import HydraspecError
+from hydraspec.home import hydraspec_home
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -172,12 +173,6 @@ def _spec(name: str) -> ModelSpec:
 # --------------------------------------------------------------------------------------------------
 # Paths and small helpers
 # --------------------------------------------------------------------------------------------------
-
-
-def hydraspec_home() -> Path:
-    """``$HYDRASPEC_HOME`` if set, else ``~/.cache/hydraspec``."""
-    env = os.environ.get("HYDRASPEC_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hydraspec"
 
 
 def _wheels_dir() -> Path:

@@ -57,3 +57,15 @@ def forward_nodes(model, cache, ids: torch.Tensor, positions: torch.Tensor, ance
     logits = out.logits[0].float()
     hidden = out.hidden_states[-1][0] if want_hidden else None
     return logits, hidden
+
+
+def ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, device) -> torch.Tensor:
+    """[B, 1, N, W + N] additive mask, built on the device: row b's N new nodes (written at slots
+    [W, W + N)) see its cache [0, lengths[b]) and, among the new slots, what tree_allowed[b] ([N, N] bool)
+    allows; the gap [lengths[b], W) is hidden."""
+    B, N, _ = tree_allowed.shape
+    prefix = torch.arange(W, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, W]
+    allowed = torch.cat([prefix[:, None, :].expand(B, N, W), tree_allowed.to(device)], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

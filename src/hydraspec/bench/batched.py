@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from ..errors import HydraspecError
-from .methods import METHODS, BenchContext, _sync, parse_methods
+from .args import check_args, default_loader, split_list
+from .methods import METHODS, BenchContext, parse_methods, sync
 
 BATCH_METHODS = ("ar", "pld", "draft", "medusa", "hydra", "hf-ar")
 WARMUP_TOKENS = 8
@@ -73,7 +74,6 @@ def hf_batch(model, eos: list[int], pad: int, prompts: list[list[int]], max_new_
 
 
 def run_batch_bench(args, loader=None) -> int:
-    from .runner import _split_list, check_args, default_loader
     from .prompts import load_questions
 
     methods = parse_methods(args.methods)
@@ -84,7 +84,7 @@ def run_batch_bench(args, loader=None) -> int:
     sizes = parse_batch_sizes(args.batch_sizes)
     if getattr(args, "batch_trees", None) and not any(METHODS[m].needs_heads for m in methods):
         raise HydraspecError("--batch-trees is only used by the medusa/hydra methods")
-    questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories),
+    questions = load_questions(args.prompts, limit=args.limit, categories=split_list(args.categories),
                                skip=getattr(args, "skip", 0))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -101,7 +101,8 @@ def run_batch_bench(args, loader=None) -> int:
         draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None), loader,
                                  vocab=getattr(args, "draft_vocab", None))
     from ..batch import BatchGenerator, load_batch_trees
-    from ..generator import SpeculativeGenerator, eos_ids
+    from ..generator import SpeculativeGenerator
+    from ..inputs import eos_ids
 
     eos = sorted(eos_ids(model, tok))
     ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None), eos=eos)
@@ -125,12 +126,12 @@ def run_batch_bench(args, loader=None) -> int:
         else:
             hf_batch(model, eos, pad, prompts[:2], min(WARMUP_TOKENS, args.max_new_tokens), 0.0, None)
         for bs in sizes:
-            _sync(model.device)
+            sync(model.device)
             t0 = time.perf_counter()
             if gen is not None:
                 res = gen.generate(input_ids=prompts, max_new_tokens=args.max_new_tokens, batch_size=bs,
                                    temperature=temperature, seed=seed)
-                _sync(model.device)
+                sync(model.device)
                 wall = time.perf_counter() - t0
                 toks = [r.token_ids for r in res]
                 latency = [r.stats.wall_s for r in res]
@@ -142,7 +143,7 @@ def run_batch_bench(args, loader=None) -> int:
                 for g in _groups(lengths, bs):
                     tb = time.perf_counter()
                     outs = hf_batch(model, eos, pad, [prompts[i] for i in g], args.max_new_tokens, temperature, seed)
-                    _sync(model.device)
+                    sync(model.device)
                     for i, o in zip(g, outs):
                         toks[i], latency[i] = o, time.perf_counter() - tb
                 wall = time.perf_counter() - t0

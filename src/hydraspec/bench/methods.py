@@ -150,7 +150,7 @@ def method_settings(name: str, args) -> dict:
     return s
 
 
-def _sync(device) -> None:
+def sync(device) -> None:
     if getattr(device, "type", str(device)).startswith("cuda"):
         torch.cuda.synchronize(device)
 
@@ -164,10 +164,10 @@ class EngineRunner(Runner):
         self.device = ctx.model.device
 
     def generate(self, ids, max_new_tokens, temperature, seed):
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         res = self.gen.generate(input_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        _sync(self.device)
+        sync(self.device)
         wall = time.perf_counter() - t0
         s = res.stats
         return TurnResult(token_ids=list(res.token_ids), text=res.text, finish_reason=res.finish_reason, wall_s=wall,
@@ -298,7 +298,7 @@ class HFRunner(Runner):
             kw["do_sample"] = False
         if temperature > 0 and seed is not None:
             torch.manual_seed(seed)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(x, **kw)
@@ -310,7 +310,7 @@ class HFRunner(Runner):
                 new, finish = new[: i + 1], "eos"
                 break
         text = self.tok.decode(new, skip_special_tokens=True)
-        _sync(dev)
+        sync(dev)
         wall = time.perf_counter() - t0
         r = TurnResult(token_ids=new, text=text, finish_reason=finish, wall_s=wall, prompt_tokens=len(ids))
         if self.kind == "ar":

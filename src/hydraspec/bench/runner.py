@@ -8,18 +8,12 @@ from pathlib import Path
 from ..errors import HydraspecError
 from ..options import thread_count
 from . import report, stats
+from .args import check_args, default_loader, split_list
 from .methods import METHODS, BenchContext, method_settings, parse_methods
 from .prompts import load_questions
 from .store import RecordStore
 
 WARMUP_TOKENS = 16
-
-
-def _split_list(text) -> list[str] | None:
-    if not text:
-        return None
-    items = text.split(",") if isinstance(text, str) else list(text)
-    return [s.strip() for s in items if s.strip()] or None
 
 
 def settings_of(args) -> dict:
@@ -31,40 +25,8 @@ def settings_of(args) -> dict:
         "draft_quant": getattr(args, "draft_quant", "none"), "draft_vocab": getattr(args, "draft_vocab", None),
         "pld_tokens": args.pld_tokens, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
         "skip": getattr(args, "skip", 0),
-        "categories": _split_list(args.categories), "methods": parse_methods(args.methods),
+        "categories": split_list(args.categories), "methods": parse_methods(args.methods),
     }
-
-
-def check_args(args, methods: list[str]) -> None:
-    specs = [METHODS[m] for m in methods]
-    if getattr(args, "heads", None) and not any(s.needs_heads for s in specs):
-        raise HydraspecError("--heads is only used by the medusa/hydra methods; add one to --methods")
-    need_heads = [s.name for s in specs if s.needs_heads]
-    if need_heads and not getattr(args, "heads", None):
-        raise HydraspecError(f"method{'s' if len(need_heads) > 1 else ''} {', '.join(need_heads)} need --heads")
-    need_draft = [s.name for s in specs if s.needs_draft]
-    if need_draft and not getattr(args, "draft_model", None):
-        raise HydraspecError(f"method{'s' if len(need_draft) > 1 else ''} {', '.join(need_draft)} "
-                             f"need{'' if len(need_draft) > 1 else 's'} --draft-model")
-    if args.max_new_tokens <= 0:
-        raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise HydraspecError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.draft_k < 1 or args.pld_tokens < 1:
-        raise HydraspecError("--draft-k and --pld-tokens must be at least 1")
-    if getattr(args, "skip", 0) < 0:
-        raise HydraspecError(f"--skip must be at least 0, got {args.skip}")
-    if args.limit is not None and args.limit < 1:
-        raise HydraspecError(f"--limit must be at least 1, got {args.limit}")
-
-
-def default_loader(args):
-    """load_model with the bench's --quant (for the target; the draft follows --draft-quant)."""
-    from ..models import load_model
-
-    def load(name, dtype, device):
-        return load_model(name, dtype=dtype, device=device, quant=getattr(args, "quant", "none"))
-    return load
 
 
 def run_bench(args, loader=None) -> int:
@@ -80,7 +42,7 @@ def run_bench(args, loader=None) -> int:
 
     methods = parse_methods(args.methods)
     check_args(args, methods)
-    questions = load_questions(args.prompts, limit=args.limit, categories=_split_list(args.categories),
+    questions = load_questions(args.prompts, limit=args.limit, categories=split_list(args.categories),
                                skip=getattr(args, "skip", 0))
     settings = settings_of(args)
     out = Path(args.out)
@@ -111,7 +73,8 @@ def run_bench(args, loader=None) -> int:
 
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                                      loader, vocab=getattr(args, "draft_vocab", None))
-        from ..generator import SpeculativeGenerator, eos_ids
+        from ..generator import SpeculativeGenerator
+        from ..inputs import eos_ids
 
         ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),
                            eos=sorted(eos_ids(model, tok)))

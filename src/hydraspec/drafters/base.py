@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,12 @@ class Drafter:
     name = "ar"
     needs_hidden = False
     max_nodes = 0  # upper bound on the size of any proposed tree
+
+    def fork(self) -> "Drafter":
+        """A drafter for one more sequence decoded beside this one: models, heads and settings shared,
+        per-sequence state (caches, adaptive lengths) its own once :meth:`start` runs. Drafters that hold
+        other drafters fork those too."""
+        return copy.copy(self)
 
     def start(self, state: DecodeState, capacity: int) -> None:
         """A new generation begins; `capacity` is the longest the sequence can get."""

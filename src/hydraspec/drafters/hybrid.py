@@ -33,6 +33,11 @@ class LookupHybridDrafter(Drafter):
         self._chain: list[int] = []  # pre-reorder indices of prompt lookup's chain, in order
         self._mode = "merge"
 
+    def fork(self) -> "LookupHybridDrafter":
+        twin = LookupHybridDrafter(self.inner.fork(), self.lookup.fork())
+        twin.name = self.name
+        return twin
+
     def start(self, state: DecodeState, capacity: int) -> None:
         self.inner.start(state, capacity)
         self.lookup.start(state, capacity)

@@ -2,6 +2,7 @@
 context, refused up front when it does not fit), the adaptive draft rule measured on this device, uvicorn."""
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import sys
@@ -10,6 +11,7 @@ import time
 
 from ..batch import BatchGenerator, cache_bytes, gib
 from ..errors import HydraspecError
+from ..inputs import context_limit, encode_prompt
 from .adaptive import AdaptiveDraft, measure_verify_cost
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
@@ -25,7 +27,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         raise HydraspecError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 0:
         raise HydraspecError(f"--max-queue must be at least 0, got {max_queue}")
-    ctx = bg.base.ctx or 4096
+    ctx = context_limit(bg.model) or 4096
     context = min(ctx, max_context or min(ctx, 4096))
     if context < 16:
         raise HydraspecError(f"--max-context must be at least 16 tokens, got {context}")
@@ -45,7 +47,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         f"allocated now; context {context} tokens per request")
     worker = EngineWorker(engine, max_queue)
     config = ServerConfig(model_name=model_name, capacity=capacity, max_nodes=bg.max_nodes, api_key=api_key)
-    app = create_app(worker, bg.tokenizer, bg.base.encode, config, start_worker)
+    app = create_app(worker, bg.tokenizer, functools.partial(encode_prompt, bg.tokenizer), config, start_worker)
     return app, worker, rule
 
 

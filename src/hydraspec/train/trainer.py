@@ -173,7 +173,7 @@ def choose_draft_vocab(rows, size: int, model) -> tuple[list[int], float]:
     so that tokens the training answers happen not to use can still be drafted."""
     from collections import Counter
 
-    from ..generator import eos_ids
+    from ..inputs import eos_ids
 
     vocab = model.config.get_text_config(decoder=True).vocab_size
     counts = Counter(t for r in rows for t in r["answer_ids"] if 0 <= t < vocab)
