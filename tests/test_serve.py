@@ -234,7 +234,7 @@ def test_sampling_with_a_seed_repeats_and_differs_from_greedy():
 
 
 def test_adaptive_rule_drafts_less_when_verify_cost_grows():
-    from hydraspec.serve.adaptive import AdaptiveDraft
+    from hydraspec.adaptive import AdaptiveDraft
 
     flat = AdaptiveDraft({1: 1.0, 32: 1.0}, 8)  # free extra tokens: always the longest draft
     assert flat.best_k(1, 0.7) == 8

@@ -98,6 +98,11 @@ def test_hydra_plus_plus_trains_prefix_layer_and_stays_exact(tok, tmp_path):
     answer_prompts(model, tok, questions, one, max_new_tokens=16, progress=False)
     by_id = {r["id"]: r["answer_ids"] for r in load_answers(one)}
     assert {r["id"]: r["answer_ids"] for r in load_answers(data)} == by_id
+    # and so does prompt lookup, batched (adaptive draft length) or alone
+    for bs in (1, 3):
+        spec = tmp_path / f"pld{bs}.jsonl"
+        answer_prompts(model, tok, questions, spec, max_new_tokens=16, progress=False, batch_size=bs, method="pld")
+        assert {r["id"]: r["answer_ids"] for r in load_answers(spec)} == by_id
     train_heads(model, data, tmp_path / "hpp", kind="hydra", base_name="tiny", num_heads=3, num_layers=4,
                 epochs=6, lr=3e-3, heldout=0.0, progress=False, distill=True, prefix_layer=True)
     heads, cfg = load_heads(tmp_path / "hpp", model, base_model="tiny")

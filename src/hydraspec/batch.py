@@ -206,13 +206,16 @@ class BatchGenerator:
     def generate(self, prompts=None, *, input_ids: list[list[int]] | None = None, max_new_tokens: int = 128,
                  batch_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: list[str] | None = None, chat: bool = True,
-                 memory_limit: int | None = None, keep_hidden: bool = False, on_result=None) -> BatchResult:
+                 memory_limit: int | None = None, keep_hidden: bool = False, on_result=None,
+                 adaptive=None) -> BatchResult:
         """prompts: strings, message lists or token-id lists (or input_ids=). batch_size: most rows decoded
         together (default: all); longest prompts first, and a row freed by a finished prompt is taken by the
         next waiting one. Sampling: input row i uses seed + i. memory_limit: bytes the caches may use
         (default: the free memory). keep_hidden: each result also carries the target's last hidden states
         over its prompt and answer (GenerationResult.hidden_states), taken from the forwards that decode
-        anyway. on_result(i, result): called as soon as input row i is finished (e.g. to write it out)."""
+        anyway. on_result(i, result): called as soon as input row i is finished (e.g. to write it out).
+        adaptive: a hydraspec.adaptive.AdaptiveDraft rule choosing each step's draft length from the number
+        of running rows (it counts this run's acceptance); the output is unchanged."""
         if max_new_tokens <= 0:
             raise HydraspecError(f"max_new_tokens must be positive, got {max_new_tokens}")
         check_sampling(temperature, top_p, top_k)
@@ -242,7 +245,9 @@ class BatchGenerator:
         results: list[GenerationResult | None] = [None] * len(all_ids)
         capacity = max(len(x) for x in all_ids) + max_new_tokens + self.max_nodes + 1
         t0 = time.perf_counter()
-        engine = self.engine(rows, capacity, keep_hidden)
+        engine = self.engine(rows, capacity, keep_hidden, draft_cap=adaptive)
+        if adaptive is not None:
+            adaptive.engine = engine
         stops = [s for s in (stop or []) if s]
         for i in order:  # sampling: input row i uses seed + i
             engine.add(Request(list(all_ids[i]), max_new_tokens, sampling, None if seed is None else seed + i,

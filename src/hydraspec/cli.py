@@ -284,7 +284,7 @@ def cmd_train_heads(args) -> int:
 
     cache_bytes = int(args.cache_gb * (1 << 30))
     answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                   base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
+                   method=args.data_method, base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
     t_data = time.perf_counter() - t0
     if args.data_only:
         print(f"data generation {t_data / 60:.1f} min; answers in {data}", file=sys.stderr)
@@ -471,6 +471,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="leave out the first N prompts of each category (keep them for evaluation: bench --limit N)")
     t.add_argument("--batch-size", type=int, default=8, help="rows decoded together in data generation (continuous batching)")
     t.add_argument("--max-new-tokens", type=int, default=256)
+    t.add_argument("--data-method", default="ar", choices=("ar", "pld"),
+                   help="how the base model decodes its answers: plain, or prompt lookup (same greedy answers; "
+                        "at batch 8 on a 2-core CPU plain batching was faster, see BENCHMARKS.md)")
     t.add_argument("--data-only", action="store_true",
                    help="stop after data generation (answers and base cache), e.g. to train several kinds on it")
     t.add_argument("--num-heads", type=int, default=4)

@@ -12,7 +12,7 @@ import time
 from ..batch import BatchGenerator, cache_bytes, gib
 from ..errors import HydraspecError
 from ..inputs import context_limit, encode_prompt
-from .adaptive import AdaptiveDraft, measure_verify_cost
+from ..adaptive import AdaptiveDraft, measure_verify_cost
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
 

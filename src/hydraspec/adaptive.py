@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from ..cache import text_config
+from .cache import text_config
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
 PAY_MARGIN = 1.15
