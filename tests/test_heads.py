@@ -1,4 +1,6 @@
 """Draft heads: module shapes and init, checkpoints, and exact greedy decoding with head drafters."""
+import copy
+
 import pytest
 import torch
 
@@ -288,3 +290,18 @@ def test_lookup_hybrid_drafters_are_exact(kind, tok):
     oracle = LookupHybridDrafter(OracleDrafter(OracleHeads(model, "medusa", 4), onehot, TREE))
     res = SpeculativeGenerator(model, tok, oracle).generate(input_ids=prompt, max_new_tokens=24)
     assert res.token_ids == ref.token_ids and res.stats.mean_accepted > 3.0
+
+
+def test_heads_know_their_base_by_its_weights(tmp_path):
+    """A checkpoint records its base's fingerprint: the same weights load under any name or path (and in
+    another dtype), other weights of the same shape are refused with a message that says so."""
+    from hydraspec.heads import base_fingerprint, load_heads, save_heads
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = build_heads("hydra", model, num_heads=2)
+    save_heads(heads, tmp_path / "h", base_model="tiny-llama", base_fingerprint=base_fingerprint(model))
+    load_heads(tmp_path / "h", model, base_model="/some/local/copy/of/tiny-llama")  # same weights, other name
+    load_heads(tmp_path / "h", copy.deepcopy(model).to(torch.bfloat16), base_model="x")
+    other = tiny.cached_model("llama", "sdpa", 2)  # same shape, other weights
+    with pytest.raises(HydraspecError, match="other weights"):
+        load_heads(tmp_path / "h", other, base_model="tiny-llama")

@@ -51,8 +51,40 @@ def save_heads(heads: Heads, directory, base_model: str, tree: list[list[int]] |
     return out
 
 
+FINGERPRINT_IDS, FINGERPRINT_DIRS, SAME_WEIGHTS = 16, 4, 0.97
+
+
+@torch.inference_mode()
+def base_fingerprint(model) -> list[float]:
+    """The base model's weights in 128 numbers: the input embeddings of 16 token ids spread over the
+    vocabulary, and the last hidden states of one forward over those ids, each projected on 4 fixed random
+    directions. Any copy of the same weights gives nearly the same numbers whatever its dtype or file (bf16,
+    float32, the GGUF's own 4-6 bits: rounding averages out in the projections); other weights (another
+    model, or a base whose layers were tuned) give different ones."""
+    emb = model.get_input_embeddings()
+    vocab, dim = emb.num_embeddings, emb.embedding_dim
+    ids = torch.linspace(1, vocab - 1, FINGERPRINT_IDS).long().to(model.device)[None]
+    rows = emb(ids)[0].float().cpu()  # [16, dim]
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0].float().cpu()
+    dirs = torch.randn(dim, FINGERPRINT_DIRS, generator=torch.Generator().manual_seed(0))
+    return [round(float(v), 6) for v in torch.cat([(rows @ dirs).flatten(), (hidden @ dirs).flatten()])]
+
+
+def same_weights(a: list[float], b: list[float]) -> float:
+    """How alike two fingerprints are: the lower cosine similarity of their two halves (embeddings, hidden
+    states); 1.0 is the same weights up to rounding."""
+    x, y = torch.tensor(a), torch.tensor(b)
+    if x.shape != y.shape:
+        return 0.0
+    half = x.numel() // 2
+    cos = torch.nn.functional.cosine_similarity
+    return min(float(cos(x[:half], y[:half], dim=0)), float(cos(x[half:], y[half:], dim=0)))
+
+
 def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, dict]:
-    """Load heads for `model`; refuses heads trained for a model of another shape or name."""
+    """Load heads for `model`; refuses heads trained for a model of another shape or other weights (by the
+    checkpoint's ``base_fingerprint``: any path to the same weights is accepted), or, for checkpoints
+    without a fingerprint, of another name."""
     d = Path(directory)
     try:
         cfg = json.loads((d / "config.json").read_text())
@@ -65,7 +97,15 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
         raise HydraspecError(
             f"heads in '{d}' were trained for '{cfg.get('base_model')}' (hidden {cfg['hidden_size']}, vocab "
             f"{cfg['vocab_size']}); this model has hidden {mcfg.hidden_size}, vocab {mcfg.vocab_size}")
-    if base_model and cfg.get("base_model") and _norm(cfg["base_model"]) != _norm(base_model):
+    if cfg.get("base_fingerprint"):
+        sim = same_weights(cfg["base_fingerprint"], base_fingerprint(model))
+        if sim < SAME_WEIGHTS:
+            raise HydraspecError(f"heads in '{d}' were trained for other weights ('{cfg.get('base_model')}'; "
+                                 f"this model matches its fingerprint at {sim:.2f}, need "
+                                 f"{SAME_WEIGHTS})")
+    # a jointly tuned base (Medusa-2) is close to its original: such heads also go by the base's name
+    if (cfg.get("joint") or not cfg.get("base_fingerprint")) and base_model and cfg.get("base_model") and \
+            _norm(cfg["base_model"]) != _norm(base_model):
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
     state = load_file(str(d / "heads.safetensors"))
     heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],

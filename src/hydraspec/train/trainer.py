@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import HydraspecError
-from ..heads import build_heads, save_heads
+from ..heads import base_fingerprint, build_heads, save_heads
 from .data import load_answers
 from .losses import heads_loss
 
@@ -347,7 +347,8 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             name = str(out / "base")
             extra["joint"] = {"original_base": base_name, "warmup_epochs": warmup_epochs, "lm_weight": lm_weight,
                               "base_lr": groups[1]["lr"], "base_dir": "base"}
-        save_heads(h, out, base_model=name, kind_detail={"distill": distill, "epochs": epoch + 1}, **extra)
+        save_heads(h, out, base_model=name, kind_detail={"distill": distill, "epochs": epoch + 1},
+                   base_fingerprint=base_fingerprint(model), **extra)
         torch.save({"heads": h.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "epoch": epoch + 1,
                     "base": {n: p.detach().clone() for n, p in tuned.items()} if both else None}, state_path)
     return {"train": len(train), "heldout": len(test), "log": str(log)}
