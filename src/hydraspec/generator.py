@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from .accept import ACCEPTORS
-from .drafters.base import Drafter, NoDrafter
+from .batch import BatchGenerator
+from .drafters.base import Drafter
 from .engine import Engine, Request
 from .errors import HydraspecError
-from .inputs import check_length, check_sampling, context_limit, encode_prompt, eos_ids, sliding_window
+from .inputs import check_length, check_sampling, context_limit, encode_prompt, eos_ids, sliding_window  # noqa: F401
 from .results import GenerationResult, Stats
 from .sampling import Sampling
-from .verify import check_supported
 
 __all__ = ["SpeculativeGenerator", "GenerationResult", "Stats", "eos_ids"]
 
@@ -25,16 +24,12 @@ class SpeculativeGenerator:
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, acceptor: str | None = None,
                  typical_epsilon: float = 0.09, typical_alpha: float = 0.3):
-        check_supported(model)
-        if acceptor is not None and acceptor not in ACCEPTORS:
-            raise HydraspecError(f"unknown acceptor '{acceptor}'; known: {', '.join(ACCEPTORS)}")
-        self.model, self.tokenizer = model, tokenizer
-        self.drafter = drafter or NoDrafter()
-        self.acceptor = acceptor
-        self.typical = {"epsilon": typical_epsilon, "alpha": typical_alpha}
-        self.eos = eos_ids(model, tokenizer)
-        self.ctx = context_limit(model)
-        self.window = sliding_window(model)
+        self.batch = BatchGenerator(model, tokenizer, drafter, acceptor=acceptor, typical_epsilon=typical_epsilon,
+                                    typical_alpha=typical_alpha)
+        b = self.batch
+        self.model, self.tokenizer, self.drafter, self.acceptor = b.model, b.tokenizer, b.drafter, b.acceptor
+        self.typical, self.eos = b.typical, b.eos
+        self.ctx, self.window = context_limit(model), sliding_window(model)
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """A string or a list of {"role", "content"} messages -> prompt token ids (chat template applied
@@ -72,9 +67,9 @@ class SpeculativeGenerator:
         """Decode a list of prompts together (one verify forward per step for the whole batch); see
         hydraspec.batch.BatchGenerator.generate for the arguments. Returns a BatchResult (results in
         input order)."""
-        from .batch import BatchGenerator
-
-        bg = BatchGenerator(self.model, self.tokenizer, self.drafter, acceptor=self.acceptor, trees=trees,
-                            verify_budget=verify_budget, typical_epsilon=self.typical["epsilon"],
-                            typical_alpha=self.typical["alpha"])
+        bg = self.batch
+        if trees or verify_budget is not None:
+            bg = BatchGenerator(self.model, self.tokenizer, self.drafter, acceptor=self.acceptor, trees=trees,
+                                verify_budget=verify_budget, typical_epsilon=self.typical["epsilon"],
+                                typical_alpha=self.typical["alpha"])
         return bg.generate(prompts, **kwargs)
