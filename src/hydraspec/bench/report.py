@@ -47,11 +47,9 @@ def machine_info(dtype: str, device: str) -> dict:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     elif os.environ.get("HYDRASPEC_PREPACK", "1") != "0":
-        from ..kernels import describe, fused_lib
+        from ..backend import describe
 
         info["cpu_kernel"] = describe()  # which native build ran: the CPU model alone does not tell
-        if info["cpu_kernel"] != "torch" and fused_lib() is None:
-            info["cpu_kernel"] += ", fused ops off"  # HYDRASPEC_FUSED=0: RMSNorm and attention in torch
     return info
 
 

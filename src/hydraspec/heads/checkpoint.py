@@ -116,7 +116,7 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
                              f"unexpected {unexpected[:3]})")
     heads.to(device=model.device, dtype=model.dtype).eval()
     if model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
-        from ..kernels import prepack
+        from ..backend import prepack
 
         prepack(heads)
     return heads, cfg

@@ -107,14 +107,13 @@ class Heads(nn.Module):
             return base(x.to(base.weight.dtype))
         lin = self._shared_sub[0] if self._shared_sub else None  # a tuple: not a registered submodule
         if lin is None or lin.weight.dtype != base.weight.dtype or lin.weight.device != base.weight.device:
-            from ..kernels import PackedLinear
+            from ..backend import follow_base
 
             lin = nn.Linear(self.hidden, self.subset.numel(), bias=False, device=base.weight.device,
                             dtype=base.weight.dtype)
             lin.weight = nn.Parameter(base.weight.detach()[self.subset.to(base.weight.device)].contiguous(),
                                       requires_grad=False)
-            if isinstance(base, PackedLinear):  # the base runs on the CPU kernels: so do these rows of it
-                lin = PackedLinear(lin)
+            lin = follow_base(lin, base)  # the base runs on the CPU kernels: so do these rows of it
             self._shared_sub = (lin,)
         return lin(x.to(lin.weight.dtype))
 

@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from ..kernels import unpack
+from ..backend import unpack
 
 
 def _decoder(model):

@@ -84,9 +84,9 @@ def autocast_dtype(device: torch.device, train_dtype: str):
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
     if device.type == "cpu":
-        from ..kernels import cpu_has_bf16
+        from ..backend import native_bf16
 
-        return torch.bfloat16 if cpu_has_bf16() else None
+        return torch.bfloat16 if native_bf16() else None
     return None
 
 
@@ -259,7 +259,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
         if warmup_epochs >= epochs:
             raise HydraspecError(f"joint training needs more epochs ({epochs}) than heads-only warm-up epochs "
                                  f"({warmup_epochs})")
-        from ..kernels import unpack
+        from ..backend import unpack
 
         unpack(model)  # prepacked weight copies would go stale once the base trains
         frozen = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
