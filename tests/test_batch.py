@@ -289,7 +289,6 @@ def test_text_prompts_and_tree_per_batch_size(tok):
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("temperature,top_k", [(0.0, 0), (1.0, 0), (1.0, 1)])
 def test_batched_head_proposals_equal_per_row_proposals(kind, temperature, top_k):
-    from hydraspec.engine import propose_heads_batched
     from hydraspec.drafters.base import DecodeState
     from hydraspec.sampling import Sampling
 
@@ -304,7 +303,7 @@ def test_batched_head_proposals_equal_per_row_proposals(kind, temperature, top_k
                             generator=torch.Generator().manual_seed(i)) for i, h in enumerate(hidden)]
 
     one = [d.propose(st) for st in states()]
-    many = propose_heads_batched(d, states())
+    many = d.propose_batch(states())
     assert len(many) == len(one) and len(many[-1]) == 0
     if top_k == 1:
         assert all(len(t) < len(TREE) for t in many[:-1])
@@ -313,7 +312,7 @@ def test_batched_head_proposals_equal_per_row_proposals(kind, temperature, top_k
         assert (a.q is None) == (b.q is None)
         if a.q is not None:
             torch.testing.assert_close(a.q, b.q)
-    assert propose_heads_batched(make_drafter("pld"), states()) is None
+    assert make_drafter("pld").propose_batch(states()) is None
 
 
 # ---- sampling ----------------------------------------------------------------------------------

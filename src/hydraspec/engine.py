@@ -20,7 +20,7 @@ carries its own sampling settings, token budget and stop strings.
 Drafters are per-sequence objects: one row decodes with the engine's drafter itself, every other row with
 its own ``drafter.fork()`` (models and heads are shared, per-sequence state is not). Two drafters are batched across rows: draft-model chains
 (_BatchDraft: one B-row draft cache in the same layout, one draft forward per depth) and Medusa/Hydra
-heads (propose_heads_batched: one heads call per depth). A Medusa/Hydra drafter can use a different
+heads (HeadDrafter.propose_batch: one heads call per depth). A Medusa/Hydra drafter can use a different
 static tree per number of active rows (``trees={batch_size: paths}``).
 """
 from __future__ import annotations
@@ -37,12 +37,11 @@ from .drafters.base import DecodeState, Drafter, NoDrafter
 from .errors import HydraspecError
 from .results import GenerationResult, Stats
 from .drafters.draft_model import DraftModelDrafter
-from .drafters.heads import HeadDrafter, prefix_closed, reindex
 from .sampling import Sampling, sample_without_replacement
 from .tree import DraftTree, chain, shape_of
 from .verify import ragged_mask
 
-__all__ = ["Request", "Engine", "cancelled_result", "propose_heads_batched", "prefill_rows", "stop_at",
+__all__ = ["Request", "Engine", "cancelled_result", "prefill_rows", "stop_at",
            "trim_after_stop"]
 
 
@@ -223,8 +222,8 @@ class Engine:
             if self.bd is not None:  # draft-model chains: one draft forward per depth for every row
                 together = self.bd.propose(active)
             else:  # head drafters: one heads call per depth for every row (None: other drafters)
-                together = propose_heads_batched(self._drafter_for(active[0], n_active), [r.state for r in active],
-                                                 [r.drafter for r in active])
+                together = self._drafter_for(active[0], n_active).propose_batch([r.state for r in active],
+                                                                                [r.drafter for r in active])
         if together is not None:
             dt = (time.perf_counter() - t0) / n_active
             for r in active:
@@ -478,68 +477,6 @@ class _BatchDraft:
         r.d_len = r.d_cached
         if self.p.dynamic:
             r.d_k = min(r.d_k + 2, self.p.max_k) if n_accepted >= r.d_k else max(1, r.d_k - 1)
-
-
-def propose_heads_batched(drafter, states: list[DecodeState], row_drafters=None):
-    """HeadDrafter.propose for many rows at once (same trees, same tokens, same random draws per row's
-    generator), calling each head once per depth for all rows instead of once per row: the heads' vocabulary
-    projection is read once per depth. None when `drafter` is not a head drafter (then call it per row)."""
-    if not isinstance(drafter, HeadDrafter) or type(drafter).propose is not HeadDrafter.propose or \
-            not all(hasattr(drafter, a) for a in ("levels", "paths", "ranks")):
-        return None  # a subclass with its own proposal is asked row by row
-    out: list = [DraftTree.empty() for _ in states]
-    live = [j for j, s in enumerate(states) if s.hidden is not None]
-    if not live:
-        return out
-    heads, parents, n = drafter.heads, drafter.parents, len(drafter.parents)
-    if getattr(heads, "prefix", None) is not None:
-        # Hydra++: each row's own drafter keeps that row's prefix-layer cache and gives what the heads read
-        if row_drafters is None:
-            return None
-        H = torch.stack([row_drafters[j]._head_input(states[j]) for j in live])
-    else:
-        H = torch.stack([states[j].hidden for j in live])  # [R, dim]
-    to_ids = getattr(heads, "token_ids", lambda i: i)  # draft vocabulary -> token ids
-    to_probs = getattr(heads, "full_probs", lambda p: p)
-    greedy = [states[j].sampling.greedy for j in live]  # each row's own sampling settings
-    tokens = [[0] * n for _ in live]
-    qrows = [[None] * n for _ in live]
-    for d, (par, kids) in enumerate(drafter.levels):
-        P = len(par)
-        if heads.kind == "medusa":
-            lg = heads.logits(d, H).float()[:, None, :].expand(-1, P, -1)  # [R, P, V]
-        else:
-            path_ids = [[states[j].tokens[-1]] + [tokens[r][k] for k in (drafter.paths[p] if p >= 0 else [])]
-                        for r, j in enumerate(live) for p in par]
-            emb = drafter.embed(torch.tensor(path_ids, device=H.device))  # [R * P, d + 1, dim]
-            lg = heads.logits(d, H.repeat_interleave(P, 0), emb).float().view(len(live), P, -1)
-        if any(greedy):
-            need = max(drafter.ranks[c] for p in par for c in kids[p]) + 1
-            top = to_ids(torch.topk(lg, need, dim=-1).indices).tolist()  # [R][P][need]
-        for r, j in enumerate(live):
-            for i, p in enumerate(par):
-                children = kids[p]
-                if greedy[r]:
-                    for c in children:
-                        tokens[r][c] = top[r][i][drafter.ranks[c]]
-                else:
-                    probs = to_probs(states[j].sampling.probs(lg[r, i]))
-                    draws = sample_without_replacement(probs, len(children), states[j].generator).tolist()
-                    for c, x in zip(children, draws):
-                        tokens[r][c] = x
-                        qrows[r][c] = probs
-    for r, j in enumerate(live):
-        if greedy[r]:
-            out[j] = DraftTree(torch.tensor(tokens[r]), parents)
-            continue
-        drawn = [i for i in range(n) if qrows[r][i] is not None]
-        if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
-            keep = prefix_closed(parents, set(drawn))
-            out[j] = DraftTree(torch.tensor([tokens[r][i] for i in keep]), reindex(parents, keep),
-                               torch.stack([qrows[r][i] for i in keep]) if keep else None)
-        else:
-            out[j] = DraftTree(torch.tensor(tokens[r]), parents, torch.stack(qrows[r]))
-    return out
 
 
 @torch.inference_mode()

@@ -43,6 +43,11 @@ class Drafter:
     def propose(self, state: DecodeState) -> DraftTree:
         return DraftTree.empty()
 
+    def propose_batch(self, states: list[DecodeState], row_drafters: list["Drafter"] | None = None):
+        """One proposal per row in one pass (a drafter that can share work across rows does it here), or
+        None: then each row's own drafter is asked with :meth:`propose`."""
+        return None
+
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
         """accepted: indices into the last proposed DraftTree along the accepted path, in order."""
 

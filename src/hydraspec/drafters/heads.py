@@ -82,6 +82,69 @@ class HeadDrafter(PrefixInput, Drafter):
         self._prefix_cache, self._prefix_len, self._fed = None, 0, None
 
     @torch.inference_mode()
+    def propose_batch(self, states: list[DecodeState], row_drafters=None):
+        """:meth:`propose` for many rows at once (same trees, same tokens, same random draws per row's
+        generator), calling each head once per depth for all rows instead of once per row: the heads'
+        vocabulary projection is read once per depth. ``row_drafters``: each row's own drafter (Hydra++ keeps
+        a row's prefix-layer cache there). None for a subclass with its own :meth:`propose`."""
+        drafter = self
+        if type(drafter).propose is not HeadDrafter.propose or \
+                not all(hasattr(drafter, a) for a in ("levels", "paths", "ranks")):
+            return None  # a subclass with its own proposal is asked row by row
+        out: list = [DraftTree.empty() for _ in states]
+        live = [j for j, s in enumerate(states) if s.hidden is not None]
+        if not live:
+            return out
+        heads, parents, n = drafter.heads, drafter.parents, len(drafter.parents)
+        if getattr(heads, "prefix", None) is not None:
+            # Hydra++: each row's own drafter keeps that row's prefix-layer cache and gives what the heads read
+            if row_drafters is None:
+                return None
+            H = torch.stack([row_drafters[j]._head_input(states[j]) for j in live])
+        else:
+            H = torch.stack([states[j].hidden for j in live])  # [R, dim]
+        to_ids = getattr(heads, "token_ids", lambda i: i)  # draft vocabulary -> token ids
+        to_probs = getattr(heads, "full_probs", lambda p: p)
+        greedy = [states[j].sampling.greedy for j in live]  # each row's own sampling settings
+        tokens = [[0] * n for _ in live]
+        qrows = [[None] * n for _ in live]
+        for d, (par, kids) in enumerate(drafter.levels):
+            P = len(par)
+            if heads.kind == "medusa":
+                lg = heads.logits(d, H).float()[:, None, :].expand(-1, P, -1)  # [R, P, V]
+            else:
+                path_ids = [[states[j].tokens[-1]] + [tokens[r][k] for k in (drafter.paths[p] if p >= 0 else [])]
+                            for r, j in enumerate(live) for p in par]
+                emb = drafter.embed(torch.tensor(path_ids, device=H.device))  # [R * P, d + 1, dim]
+                lg = heads.logits(d, H.repeat_interleave(P, 0), emb).float().view(len(live), P, -1)
+            if any(greedy):
+                need = max(drafter.ranks[c] for p in par for c in kids[p]) + 1
+                top = to_ids(torch.topk(lg, need, dim=-1).indices).tolist()  # [R][P][need]
+            for r, j in enumerate(live):
+                for i, p in enumerate(par):
+                    children = kids[p]
+                    if greedy[r]:
+                        for c in children:
+                            tokens[r][c] = top[r][i][drafter.ranks[c]]
+                    else:
+                        probs = to_probs(states[j].sampling.probs(lg[r, i]))
+                        draws = sample_without_replacement(probs, len(children), states[j].generator).tolist()
+                        for c, x in zip(children, draws):
+                            tokens[r][c] = x
+                            qrows[r][c] = probs
+        for r, j in enumerate(live):
+            if greedy[r]:
+                out[j] = DraftTree(torch.tensor(tokens[r]), parents)
+                continue
+            drawn = [i for i in range(n) if qrows[r][i] is not None]
+            if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
+                keep = prefix_closed(parents, set(drawn))
+                out[j] = DraftTree(torch.tensor([tokens[r][i] for i in keep]), reindex(parents, keep),
+                                   torch.stack([qrows[r][i] for i in keep]) if keep else None)
+            else:
+                out[j] = DraftTree(torch.tensor(tokens[r]), parents, torch.stack(qrows[r]))
+        return out
+
     def propose(self, state: DecodeState) -> DraftTree:
         h = self._head_input(state)
         if h is None:
