@@ -284,7 +284,8 @@ def cmd_train_heads(args) -> int:
 
     cache_bytes = int(args.cache_gb * (1 << 30))
     answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                   method=args.data_method, base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
+                   method=args.data_method,
+                   base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
     t_data = time.perf_counter() - t0
     if args.data_only:
         print(f"data generation {t_data / 60:.1f} min; answers in {data}", file=sys.stderr)

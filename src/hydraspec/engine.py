@@ -18,9 +18,9 @@ the same distribution, and with its own seed the same draws), whatever runs besi
 carries its own sampling settings, token budget and stop strings.
 
 Drafters are per-sequence objects: one row decodes with the engine's drafter itself, every other row with
-its own ``drafter.fork()`` (models and heads are shared, per-sequence state is not). Two drafters are batched across rows: draft-model chains
-(_BatchDraft: one B-row draft cache in the same layout, one draft forward per depth) and Medusa/Hydra
-heads (HeadDrafter.propose_batch: one heads call per depth). A Medusa/Hydra drafter can use a different
+its own ``drafter.fork()`` (models and heads are shared, per-sequence state is not). Two drafters are
+batched across rows: draft-model chains (_BatchDraft: one B-row draft cache in the same layout, one draft
+forward per depth) and Medusa/Hydra heads (HeadDrafter.propose_batch: one heads call per depth). A Medusa/Hydra drafter can use a different
 static tree per number of active rows (``trees={batch_size: paths}``).
 """
 from __future__ import annotations
