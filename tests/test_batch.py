@@ -450,6 +450,14 @@ def test_cli_prompt_file_batch_size(saved, tmp_path, capsys):
         assert [r["token_ids"] for r in rows] == single
         assert all(r["new_tokens"] == 12 for r in rows)
         assert "KV cache" in out.err and "tokens/s" in out.err
+    # --stream with a batch: per-row deltas as JSON lines while decoding, then the results
+    assert main(common + ["--prompt-file", str(f), "--batch-size", "3", "--method", "pld", "--stream"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    deltas, results = [x for x in lines if "delta" in x], [x for x in lines if "token_ids" in x]
+    assert [r["token_ids"] for r in results] == single
+    for r in results:
+        assert "".join(d["delta"] for d in deltas if d["index"] == r["index"]) == r["text"]
+    assert len(deltas) > len(results)  # several steps per row, streamed as they came
     assert main(common + ["--prompt", texts[0], "--batch-size", "2", "--method", "pld"]) == 0  # one prompt
     assert json.loads(capsys.readouterr().out)["token_ids"] == single[0]
     assert main(common + ["--prompt-file", str(f), "--batch-size", "0"]) == 2

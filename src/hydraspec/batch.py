@@ -207,13 +207,14 @@ class BatchGenerator:
                  batch_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: list[str] | None = None, chat: bool = True,
                  memory_limit: int | None = None, keep_hidden: bool = False, on_result=None,
-                 adaptive=None) -> BatchResult:
+                 on_tokens=None, adaptive=None) -> BatchResult:
         """prompts: strings, message lists or token-id lists (or input_ids=). batch_size: most rows decoded
         together (default: all); longest prompts first, and a row freed by a finished prompt is taken by the
         next waiting one. Sampling: input row i uses seed + i. memory_limit: bytes the caches may use
         (default: the free memory). keep_hidden: each result also carries the target's last hidden states
         over its prompt and answer (GenerationResult.hidden_states), taken from the forwards that decode
         anyway. on_result(i, result): called as soon as input row i is finished (e.g. to write it out).
+        on_tokens(i, ids): called after every step with the tokens input row i kept in it (streaming).
         adaptive: a hydraspec.adaptive.AdaptiveDraft rule choosing each step's draft length from the number
         of running rows (it counts this run's acceptance); the output is unchanged."""
         if max_new_tokens <= 0:
@@ -249,9 +250,10 @@ class BatchGenerator:
         if adaptive is not None:
             adaptive.engine = engine
         stops = [s for s in (stop or []) if s]
+        hook = None if on_tokens is None else (lambda req, ids: on_tokens(req.tag, ids))
         for i in order:  # sampling: input row i uses seed + i
             engine.add(Request(list(all_ids[i]), max_new_tokens, sampling, None if seed is None else seed + i,
-                               stops, tag=i))
+                               stops, on_tokens=hook, tag=i))
         while engine.busy:
             for req in engine.step():
                 results[req.tag] = req.result

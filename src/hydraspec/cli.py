@@ -139,8 +139,6 @@ def cmd_generate_batch(args) -> int:
 
     if args.batch_size < 1:
         raise HydraspecError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.stream:
-        raise HydraspecError("--stream is not available with --batch-size")
     prompts = read_prompt_lines(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise HydraspecError("the prompt is empty")
@@ -161,9 +159,19 @@ def cmd_generate_batch(args) -> int:
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))
+    streamed: dict[int, tuple[list[int], str]] = {}
+
+    def stream(i, ids):  # each row's new text as it comes: a JSON line, or a line tagged with the row
+        kept, text = streamed.get(i, ([], ""))
+        kept = kept + list(ids)
+        now = tok.decode(kept, skip_special_tokens=True)
+        streamed[i] = (kept, now)
+        if now[len(text):]:
+            print(json.dumps({"index": i, "delta": now[len(text):]}) if args.json else f"[{i}] {now[len(text):]!r}",
+                  flush=True)
     res = bg.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                      stop=args.stop)
+                      stop=args.stop, on_tokens=stream if args.stream else None)
     for i, r in enumerate(res):
         s = r.stats
         if args.json:
