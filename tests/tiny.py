@@ -68,7 +68,7 @@ def make_model(family: str = "llama", *, attn: str = "sdpa", seed: int = 0, voca
 
 
 def set_eos(model, eos: int | None, tokenizer=None) -> None:
-    """Put `eos` (or nothing) everywhere hydraspec.generator.eos_ids and model.generate look."""
+    """Put `eos` (or nothing) everywhere hydraspec.inputs.eos_ids and model.generate look."""
     model.config.eos_token_id = eos
     model.generation_config.eos_token_id = eos
     model.generation_config.bos_token_id = None

@@ -3,7 +3,8 @@ from .accept import accept_greedy, accept_lossless, accept_typical
 from .drafters import make_drafter
 from .drafters.base import DecodeState, Drafter
 from .errors import HydraspecError
-from .generator import GenerationResult, SpeculativeGenerator, Stats
+from .generator import SpeculativeGenerator
+from .results import GenerationResult, Stats
 from .sampling import Sampling
 from .tree import DraftTree
 

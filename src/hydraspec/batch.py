@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .accept import ACCEPTORS
+from .adaptive import AdaptiveDraft
 from .drafters.base import Drafter, NoDrafter
 from .drafters.heads import HeadDrafter
 from .cache import text_config
@@ -126,7 +127,7 @@ class BatchGenerator:
     """Speculative decoding of many prompts at once; every row's output equals its batch-1 output
     (greedy: token for token; sampling: the same distribution).
 
-    drafter: the prototype Drafter (None = plain decoding); each row decodes with a shallow copy.
+    drafter: the prototype Drafter (None = plain decoding); each further row decodes with its own fork.
     trees: optional {batch_size: tree paths} for Medusa/Hydra drafters; at every step the tree of the
     largest listed batch size not above the number of active rows is used (the drafter's own tree when
     none is).
@@ -247,8 +248,6 @@ class BatchGenerator:
         capacity = max(len(x) for x in all_ids) + max_new_tokens + self.max_nodes + 1
         t0 = time.perf_counter()
         engine = self.engine(rows, capacity, keep_hidden, draft_cap=adaptive)
-        if adaptive is not None:
-            adaptive.engine = engine
         stops = [s for s in (stop or []) if s]
         hook = None if on_tokens is None else (lambda req, ids: on_tokens(req.tag, ids))
         for i in order:  # sampling: input row i uses seed + i
@@ -264,10 +263,14 @@ class BatchGenerator:
                            target_forwards=engine.forwards, batches=engine.admissions)
 
     def engine(self, rows: int, capacity: int, keep_hidden: bool = False, draft_cap=None) -> Engine:
-        """An Engine of ``rows`` rows of ``capacity`` cache slots with this generator's drafter and settings."""
-        return Engine(self.model, self.tokenizer, self.drafter, self.eos, rows=rows, capacity=capacity,
-                      acceptor=self.acceptor, typical=self.typical, trees=self.trees,
-                      verify_budget=self.verify_budget, draft_cap=draft_cap, keep_hidden=keep_hidden)
+        """An Engine of ``rows`` rows of ``capacity`` cache slots with this generator's drafter and settings;
+        an AdaptiveDraft ``draft_cap`` is bound to it (it counts that engine's acceptance)."""
+        engine = Engine(self.model, self.tokenizer, self.drafter, self.eos, rows=rows, capacity=capacity,
+                        acceptor=self.acceptor, typical=self.typical, trees=self.trees,
+                        verify_budget=self.verify_budget, draft_cap=draft_cap, keep_hidden=keep_hidden)
+        if isinstance(draft_cap, AdaptiveDraft):
+            draft_cap.engine = engine
+        return engine
 
 
 def _is_ids(p) -> bool:

@@ -159,16 +159,15 @@ def cmd_generate_batch(args) -> int:
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))
-    streamed: dict[int, tuple[list[int], str]] = {}
+    kept: dict[int, list[int]] = {}
+    shown: dict[int, str] = {}
 
     def stream(i, ids):  # each row's new text as it comes: a JSON line, or a line tagged with the row
-        kept, text = streamed.get(i, ([], ""))
-        kept = kept + list(ids)
-        now = tok.decode(kept, skip_special_tokens=True)
-        streamed[i] = (kept, now)
-        if now[len(text):]:
-            print(json.dumps({"index": i, "delta": now[len(text):]}) if args.json else f"[{i}] {now[len(text):]!r}",
-                  flush=True)
+        kept.setdefault(i, []).extend(ids)
+        now = tok.decode(kept[i], skip_special_tokens=True)
+        delta, shown[i] = now[len(shown.get(i, "")):], now
+        if delta:
+            print(json.dumps({"index": i, "delta": delta}) if args.json else f"[{i}] {delta!r}", flush=True)
     res = bg.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                       stop=args.stop, on_tokens=stream if args.stream else None)

@@ -5,13 +5,13 @@ import torch
 
 from .batch import BatchGenerator
 from .drafters.base import Drafter
-from .engine import Engine, Request
+from .engine import Request
 from .errors import HydraspecError
-from .inputs import check_length, check_sampling, context_limit, encode_prompt, eos_ids, sliding_window  # noqa: F401
-from .results import GenerationResult, Stats
+from .inputs import check_length, check_sampling, encode_prompt
+from .results import GenerationResult
 from .sampling import Sampling
 
-__all__ = ["SpeculativeGenerator", "GenerationResult", "Stats", "eos_ids"]
+__all__ = ["SpeculativeGenerator"]
 
 
 class SpeculativeGenerator:
@@ -29,7 +29,6 @@ class SpeculativeGenerator:
         b = self.batch
         self.model, self.tokenizer, self.drafter, self.acceptor = b.model, b.tokenizer, b.drafter, b.acceptor
         self.typical, self.eos = b.typical, b.eos
-        self.ctx, self.window = context_limit(model), sliding_window(model)
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """A string or a list of {"role", "content"} messages -> prompt token ids (chat template applied
@@ -42,14 +41,12 @@ class SpeculativeGenerator:
                  stop: list[str] | None = None, streamer=None, chat: bool = True) -> GenerationResult:
         """Decode one prompt (a string, a message list, or ``input_ids``). ``streamer`` (transformers'
         streamer interface: put / end) gets the prompt, then each step's kept tokens as they come."""
-        if max_new_tokens <= 0:
+        if max_new_tokens <= 0:  # before encoding: the cheaper complaint first
             raise HydraspecError(f"max_new_tokens must be positive, got {max_new_tokens}")
         check_sampling(temperature, top_p, top_k)
         ids = list(input_ids) if input_ids is not None else self.encode(prompt, chat=chat)
         check_length(self.model, len(ids), max_new_tokens)
-        engine = Engine(self.model, self.tokenizer, self.drafter, self.eos, rows=1,
-                        capacity=len(ids) + max_new_tokens + self.drafter.max_nodes + 1,
-                        acceptor=self.acceptor, typical=self.typical)
+        engine = self.batch.engine(1, len(ids) + max_new_tokens + self.batch.max_nodes + 1)
         hook = None
         if streamer is not None:
             streamer.put(torch.tensor([ids]))

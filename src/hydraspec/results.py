@@ -49,7 +49,7 @@ class GenerationResult:
     token_ids: list[int]  # new tokens only (an EOS that ended the answer included)
     prompt_ids: list[int]
     stats: Stats
-    finish_reason: str  # "eos" | "length" | "stop"
+    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
     # BatchGenerator.generate(keep_hidden=True): the target's last hidden states at every position of
     # prompt + answer but the last, [len(prompt_ids) + len(token_ids) - 1, dim]
     hidden_states: "torch.Tensor | None" = None

@@ -40,7 +40,6 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         rule = AdaptiveDraft(measure_verify_cost(bg.model), bg.max_nodes)
     engine = bg.engine(max_batch, capacity, draft_cap=rule)
     if rule is not None:
-        rule.engine = engine
         say(f"adaptive speculation: {rule.describe()}")
     say(f"KV cache: {max_batch} rows x {capacity} slots = {gib(cache_bytes(bg.model, max_batch, capacity))} "
         f"(target{' + draft model' if need > cache_bytes(bg.model, max_batch, capacity) else ''}: {gib(need)}), "

@@ -6,26 +6,29 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..errors import HydraspecError
+
 
 def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 256, progress: bool = True,
                    batch_size: int = 1, base_cache=None, method: str = "ar") -> int:
     """Greedy answers of the base model to each question's first turn, appended to a jsonl file
     ({"id", "prompt_ids", "answer_ids"}) as soon as each is done, so an interrupted run resumes where it
     stopped. questions: iterable of (id, list of user turns). Up to ``batch_size`` prompts decode together
-    (continuous batching: a finished row's place goes at once to the next prompt). ``method``: "ar"
-    (plain decoding, the default) or "pld" (prompt lookup): greedy speculative decoding emits exactly what plain decoding
-    emits (token for token where the forward's rows are computed independently: float32, GGUF
+    (continuous batching: a finished row's place goes at once to the next prompt). ``method``: "ar" (plain
+    decoding, the default) or "pld" (prompt lookup): greedy speculative decoding emits exactly what plain
+    decoding emits (token for token where the forward's rows are computed independently: float32, GGUF
     precision), only sooner; with several rows the draft length follows hydraspec.adaptive's rule, so
-    drafting happens only where the measured cost of a wider verify forward pays for it. The base model's last hidden states of each answered sequence go to
-    ``base_cache`` (a trainer.BaseOutputs), taken from the decoding forwards, so that training does not
-    run the base model over them again. Returns how many were added."""
+    drafting happens only where the measured cost of a wider verify forward pays for it. The base model's
+    last hidden states of each answered sequence go to ``base_cache`` (a trainer.BaseOutputs), taken from
+    the decoding forwards, so that training does not run the base model over them again. Returns how many
+    were added."""
     from ..adaptive import AdaptiveDraft, measure_verify_cost
     from ..batch import BatchGenerator
     from ..drafters import make_drafter
     from ..inputs import encode_prompt
 
     if method not in ("ar", "pld"):
-        raise ValueError(f"data generation decodes with 'ar' or 'pld', not {method!r}")
+        raise HydraspecError(f"data generation decodes with 'ar' or 'pld', not {method!r}")
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
