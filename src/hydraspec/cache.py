@@ -158,3 +158,26 @@ def select_rows(cache, keep: torch.Tensor) -> None:
                 buf = getattr(layer, name)
                 buf[:n] = buf[keep]
     use_rows(cache, 0, n)
+
+
+@torch.inference_mode()
+def prefill_rows(model, cache, first: int, prompts: list[list[int]], need_hidden: bool = False) -> list:
+    """Write prompts[b] into cache row first + b, slots [0, len(prompts[b])). Returns each row's
+    last-layer hidden states [len, dim] when ``need_hidden`` (None for an empty prompt or otherwise).
+    Each row is prefilled by its own forward over exactly its prompt: a prefill is compute-bound, and
+    one right-padded [B, longest] forward spent a third of its time on padding for HumanEval prompts.
+    The write pointer is restored; the caller selects the rows to use next."""
+    dev = model.device
+    saved = cache.length
+    hidden = []
+    for b, ids in enumerate(prompts):
+        h = None
+        if ids:
+            use_rows(cache, first + b, first + b + 1)
+            set_length(cache, 0)
+            out = model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.arange(len(ids), device=dev)[None],
+                        past_key_values=cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
+            h = out.hidden_states[-1][0] if need_hidden else None
+        hidden.append(h)
+    set_length(cache, saved)
+    return hidden

@@ -18,10 +18,12 @@ the same distribution, and with its own seed the same draws), whatever runs besi
 carries its own sampling settings, token budget and stop strings.
 
 Drafters are per-sequence objects: one row decodes with the engine's drafter itself, every other row with
-its own ``drafter.fork()`` (models and heads are shared, per-sequence state is not). Two drafters are
-batched across rows: draft-model chains (_BatchDraft: one B-row draft cache in the same layout, one draft
-forward per depth) and Medusa/Hydra heads (HeadDrafter.propose_batch: one heads call per depth). A Medusa/Hydra drafter can use a different
-static tree per number of active rows (``trees={batch_size: paths}``).
+its own ``drafter.fork()`` (models and heads are shared, per-sequence state is not). Drafters that can
+share work across rows do it themselves: a drafter's ``batch_state`` (draft-model chains: one B-row draft
+cache in the same layout, one draft forward per depth) drafts for every row in place of the rows' own
+drafters; otherwise ``propose_batch`` (Medusa/Hydra heads: one heads call per depth) or each row's
+``propose``. A Medusa/Hydra drafter can use a different static tree per number of active rows
+(``trees={batch_size: paths}``).
 """
 from __future__ import annotations
 
@@ -32,17 +34,15 @@ from typing import Callable
 import torch
 
 from .accept import ACCEPTORS, fit_vocab
-from .cache import allocate_rows, compact, new_cache, select_rows, set_length, use_rows
+from .cache import allocate_rows, compact, new_cache, prefill_rows, select_rows, set_length, use_rows
 from .drafters.base import DecodeState, Drafter, NoDrafter
 from .errors import HydraspecError
 from .results import GenerationResult, Stats
-from .drafters.draft_model import DraftModelDrafter
-from .sampling import Sampling, sample_without_replacement
-from .tree import DraftTree, chain, shape_of
+from .sampling import Sampling
+from .tree import DraftTree, shape_of
 from .verify import ragged_mask
 
-__all__ = ["Request", "Engine", "cancelled_result", "prefill_rows", "stop_at",
-           "trim_after_stop"]
+__all__ = ["Request", "Engine", "cancelled_result", "stop_at", "trim_after_stop"]
 
 
 @dataclass(eq=False)
@@ -78,12 +78,6 @@ class _Row:
     finish: str = "length"
     length: int = 0  # this row's cache length L_b
     done: bool = False
-    # batched draft-model chain drafting (_BatchDraft): the row's draft-cache length, tokens of
-    # state.tokens in the draft cache, draft tokens fed during the last proposal, current draft length
-    d_len: int = 0
-    d_cached: int = 0
-    d_fed: int = 0
-    d_k: int = 0
     t_start: float = 0.0  # when the row was admitted (its latency runs from here)
     hidden_log: list | None = None  # keep_hidden: the target's last hidden states, in position order
 
@@ -114,7 +108,8 @@ class Engine:
         self.max_nodes = max([self.drafter.max_nodes] + [d.max_nodes for _, d in self.trees])
         self.cache = new_cache(model, capacity)
         allocate_rows(self.cache, model, rows)
-        self.bd = _BatchDraft.make(self.drafter, capacity + self.max_nodes + 1, rows)
+        # the drafter's own state for drafting every row at once (None: the rows' drafters draft)
+        self.draft_batch = self.drafter.batch_state(capacity + self.max_nodes + 1, rows)
         self.waiting: list[Request] = []
         self.active: list[_Row] = []
         self.forwards = 0
@@ -171,18 +166,20 @@ class Engine:
                             stats=Stats(prompt_tokens=len(req.ids))))
         del self.waiting[:k]
         first = len(self.active)
-        prefill_rows(self.model, self.cache, first, new, self.need_hidden)
-        if self.keep_hidden:
-            for r in new:
+        # every prompt but its last token (the pending one) into the cache
+        hidden = prefill_rows(self.model, self.cache, first, [r.ids[:-1] for r in new], self.need_hidden)
+        for r, h in zip(new, hidden):
+            r.length = len(r.ids) - 1
+            if h is not None:
+                r.state.hidden, r.state.new_hidden = h[-1], h
+            if self.keep_hidden:
                 r.hidden_log = [r.state.new_hidden.clone()] if r.state.new_hidden is not None else []
-        if self.bd is not None:
-            self.bd.add(first, new)
+        if self.draft_batch is not None:
+            self.draft_batch.add(first, [r.state for r in new])
         else:
             for r in new:
                 r.drafter.start(r.state, len(r.ids) + r.req.max_new_tokens + self.max_nodes + 1)
         use_rows(self.cache, 0, first + len(new))
-        if self.bd is not None:
-            use_rows(self.bd.cache, 0, first + len(new))
         t1 = time.perf_counter()
         for r in new:
             r.t_start = t0
@@ -219,8 +216,8 @@ class Engine:
         t0 = time.perf_counter()
         together = None
         if cap != 0:
-            if self.bd is not None:  # draft-model chains: one draft forward per depth for every row
-                together = self.bd.propose(active)
+            if self.draft_batch is not None:  # e.g. draft-model chains: one draft forward per depth
+                together = self.draft_batch.propose([r.state for r in active])
             else:  # head drafters: one heads call per depth for every row (None: other drafters)
                 together = self._drafter_for(active[0], n_active).propose_batch([r.state for r in active],
                                                                                 [r.drafter for r in active])
@@ -303,8 +300,8 @@ class Engine:
             r.stats.accept_s += tb - ta
             if r.req.on_tokens is not None and emitted:
                 r.req.on_tokens(r.req, emitted)
-            if self.bd is not None and cap != 0:
-                self.bd.observe(r, len(acc.path) - 1)
+            if self.draft_batch is not None and cap != 0:
+                self.draft_batch.observe(b, len(acc.path) - 1)
             elif len(tree) or r.done:  # the last step too: a drafter sees every verdict
                 self._drafter_for(r, n_active).observe(r.state, [i - 1 for i in acc.path[1:]])
             r.stats.draft_s += time.perf_counter() - tb
@@ -332,8 +329,8 @@ class Engine:
         keep = [b for b in range(len(self.active)) if b not in set(gone)]
         self.active[:] = [self.active[b] for b in keep]
         select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.model.device))
-        if self.bd is not None:
-            select_rows(self.bd.cache, torch.tensor(keep, dtype=torch.long, device=self.bd.model.device))
+        if self.draft_batch is not None:
+            self.draft_batch.keep(keep)
 
     def _emit(self, r: _Row, emitted: list[int]) -> list[int]:
         """The stop rules of SpeculativeGenerator.generate: EOS (kept), token budget, stop strings.
@@ -371,138 +368,6 @@ class Engine:
             r.hidden_log = None
         return GenerationResult(text=text, token_ids=list(r.new), prompt_ids=list(r.ids), stats=r.stats,
                                 finish_reason=r.finish, hidden_states=hidden)
-
-
-class _BatchDraft:
-    """A DraftModelDrafter in chain mode for all rows at once: one draft cache of B rows laid out like the
-    target's (row b at slots [0, d_len_b), a masked gap, new tokens written at the shared pointer and
-    moved next to the row's prefix), one draft forward per depth for every row still drafting. Each row
-    keeps the single-sequence drafter's rules: its own dynamic length (+2 after a fully accepted draft,
-    -1 otherwise), the greedy confidence stop, draws from its own generator, and after verification the
-    draft cache keeps only the accepted drafts."""
-
-    def __init__(self, proto, capacity: int, rows_max: int):
-        self.p, self.model = proto, proto.model
-        self.cache = new_cache(self.model, capacity)
-        allocate_rows(self.cache, self.model, rows_max)
-
-    @staticmethod
-    def make(drafter, capacity: int, rows_max: int):
-        if type(drafter) is not DraftModelDrafter or drafter.widths or drafter.leaves or \
-                drafter.tree_parents is not None:  # trees and leaves: per row
-            return None
-        return _BatchDraft(drafter, capacity, rows_max)
-
-    def add(self, first: int, rows: list[_Row]) -> None:
-        """New rows at cache rows [first, first + len(rows)): prefill the draft model on their prompts but
-        the last token (which the next proposal feeds)."""
-        for r in rows:
-            r.d_k = self.p.k0
-            r.d_fed = 0
-            r.d_cached = r.d_len = len(r.ids) - 1
-        if any(r.d_cached for r in rows):
-            prefill_rows(self.model, self.cache, first, rows, False, draft=True)
-
-    def _forward(self, active: list[_Row], feeds: list[list[int]]) -> torch.Tensor:
-        """Append feeds[b] to row b's draft cache; logits [B, vocab] at each row's last fed token."""
-        dev = self.model.device
-        B, C = len(active), max(1, max(len(f) for f in feeds))
-        W = max(r.d_len for r in active)
-        ids = torch.zeros(B, C, dtype=torch.long)
-        pos = torch.empty(B, C, dtype=torch.long)
-        tree_allowed = torch.eye(C, dtype=torch.bool).repeat(B, 1, 1)
-        src = torch.full((B, C), W + C - 1, dtype=torch.long)
-        dst = torch.full((B, C), W + C - 1, dtype=torch.long)
-        for b, (r, f) in enumerate(zip(active, feeds)):
-            c = len(f)
-            pos[b] = r.d_len + torch.arange(C).clamp(max=max(c - 1, 0))
-            if c:
-                ids[b, :c] = torch.tensor(f)
-                tree_allowed[b, :c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
-                src[b, :c] = W + torch.arange(c)
-                dst[b, :c] = r.d_len + torch.arange(c)
-        set_length(self.cache, W)
-        mask = ragged_mask([r.d_len for r in active], W, tree_allowed, self.model.dtype, dev)
-        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
-        last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
-        logits = out.logits[torch.arange(B, device=last.device), last].float()
-        compact(self.cache, src.to(dev), dst.to(dev))
-        for r, f in zip(active, feeds):
-            r.d_len += len(f)
-        return logits
-
-    @torch.inference_mode()
-    def propose(self, active: list[_Row]):
-        p = self.p
-        feeds = [r.state.tokens[r.d_cached:] for r in active]
-        logits = self._forward(active, feeds)
-        for r in active:
-            r.d_cached, r.d_fed = len(r.state.tokens), 0
-        toks: list[list[int]] = [[] for _ in active]
-        qs: list[list[torch.Tensor]] = [[] for _ in active]
-        drafting = [True] * len(active)
-        for depth in range(max(r.d_k for r in active)):
-            for b, r in enumerate(active):
-                if not drafting[b] or depth >= r.d_k:
-                    drafting[b] = False
-                    continue
-                lg = logits[b]
-                sampling = r.state.sampling
-                if sampling.greedy:
-                    top = torch.topk(lg, 1)
-                    if p.confidence > 0 and toks[b] and \
-                            top.values[0].item() - torch.logsumexp(lg, -1).item() < p.log_confidence:
-                        drafting[b] = False
-                        continue
-                    toks[b].append(int(top.indices[0]))
-                else:
-                    probs = sampling.probs(lg)
-                    toks[b].append(int(sample_without_replacement(probs, 1, r.state.generator)[0]))
-                    qs[b].append(probs)
-                if depth >= r.d_k - 1:  # the last draft of a chain is not fed
-                    drafting[b] = False
-            if not any(drafting):
-                break
-            feeds = [[toks[b][-1]] if drafting[b] else [] for b in range(len(active))]
-            logits = self._forward(active, feeds)
-            for r, f in zip(active, feeds):
-                r.d_fed += len(f)
-        return [DraftTree(torch.tensor(t, dtype=torch.long), chain(len(t)), torch.stack(q) if q else None)
-                for t, q in zip(toks, qs)]
-
-    def observe(self, r: _Row, n_accepted: int) -> None:
-        kept = min(n_accepted, r.d_fed)  # accepted drafts already in the draft cache stay, the rest go
-        r.d_cached += kept
-        r.d_len = r.d_cached
-        if self.p.dynamic:
-            r.d_k = min(r.d_k + 2, self.p.max_k) if n_accepted >= r.d_k else max(1, r.d_k - 1)
-
-
-@torch.inference_mode()
-def prefill_rows(model, cache, first: int, rows: list[_Row], need_hidden: bool, draft: bool = False) -> None:
-    """Write every new row's prompt but its last token into cache rows [first, first + len(rows)), slots
-    [0, len - 1); sets row.length (target) and the hidden state of the last prefilled token when asked.
-    Each row is prefilled by its own forward over exactly its prompt: a prefill is compute-bound, and
-    one right-padded [B, longest] forward spent a third of its time on padding for HumanEval prompts."""
-    lens = [len(r.ids) - 1 for r in rows]
-    if not draft:
-        for r, n in zip(rows, lens):
-            r.length = n
-    dev = model.device
-    saved = cache.length
-    for b, (r, n) in enumerate(zip(rows, lens)):
-        if n == 0:
-            continue
-        use_rows(cache, first + b, first + b + 1)
-        set_length(cache, 0)
-        out = model(input_ids=torch.tensor([r.ids[:-1]], device=dev), position_ids=torch.arange(n, device=dev)[None],
-                    past_key_values=cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
-        if need_hidden:
-            h = out.hidden_states[-1][0]
-            r.state.hidden = h[n - 1]
-            r.state.new_hidden = h[:n]
-    set_length(cache, saved)  # the caller selects the rows to use next
 
 
 def stop_at(tokenizer, new: list[int], n_before: int, stops: list[str]) -> int | None:

@@ -48,8 +48,21 @@ class Drafter:
         None: then each row's own drafter is asked with :meth:`propose`."""
         return None
 
+    def batch_state(self, capacity: int, rows_max: int):
+        """For a drafter whose batched work needs state of its own across steps (a draft model's B-row
+        cache): an object with ``add(first, states)``, ``propose(states)``, ``observe(b, n_accepted)`` and
+        ``keep(rows)`` that drafts for every row in place of the rows' own drafters. None (the default):
+        rows draft with their own drafters, through :meth:`propose_batch` or :meth:`propose`."""
+        return None
+
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
         """accepted: indices into the last proposed DraftTree along the accepted path, in order."""
+
+
+def next_length(k: int, n_accepted: int, target: int, k_max: int) -> int:
+    """The dynamic draft length of transformers' assisted generation: +2 (at most k_max) after a step
+    that accepted all ``target`` drafts, -1 (at least 1) otherwise."""
+    return min(k + 2, k_max) if n_accepted >= target else max(1, k - 1)
 
 
 class NoDrafter(Drafter):

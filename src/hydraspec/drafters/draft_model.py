@@ -9,7 +9,8 @@ from ..errors import HydraspecError
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, shape_of
 from ..verify import check_supported, forward_nodes
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, next_length
+from .draft_batch import DraftBatch
 
 
 def check_vocab(target_tok, draft_tok) -> None:
@@ -108,6 +109,13 @@ class DraftModelDrafter(Drafter):
 
     def _capacity(self, capacity: int) -> int:
         return capacity + self.max_nodes + 1
+
+    def batch_state(self, capacity: int, rows_max: int) -> DraftBatch | None:
+        """Chain mode: one B-row draft cache and one draft forward per depth for every row (DraftBatch).
+        Trees, leaves and subclasses draft row by row (None)."""
+        if type(self) is not DraftModelDrafter or self.widths or self.leaves or self.tree_parents is not None:
+            return None
+        return DraftBatch(self, capacity, rows_max)
 
     @torch.inference_mode()
     def start(self, state: DecodeState, capacity: int) -> None:
@@ -290,5 +298,5 @@ class DraftModelDrafter(Drafter):
         self.cache.keep(prefix, torch.tensor(kept, dtype=torch.long))
         self.n_cached = prefix + len(kept)
         if self.dynamic:
-            self.k = min(self.k + 2, self.max_k) if len(accepted) >= self.k else max(1, self.k - 1)
+            self.k = next_length(self.k, len(accepted), self.k, self.max_k)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import DraftTree, chain
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, next_length
 
 
 class PromptLookupDrafter(Drafter):
@@ -36,7 +36,7 @@ class PromptLookupDrafter(Drafter):
 
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
         if self.dynamic and self.proposed:
-            self.k = min(self.k + 2, self.num_tokens) if len(accepted) == self.proposed else max(1, self.k - 1)
+            self.k = next_length(self.k, len(accepted), self.proposed, self.num_tokens)
             self.misses = 0 if accepted else self.misses + 1
             if self.misses >= self.BACKOFF:
                 self.rest = min(2 ** (self.misses - self.BACKOFF), self.MAX_REST)
