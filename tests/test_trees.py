@@ -1,4 +1,4 @@
-"""Data-driven token trees (hydraspec.treebuild, `hydraspec build-tree`) and dynamic trees
+"""Data-driven token trees (hydraspec.trees, `hydraspec build-tree`) and dynamic trees
 (hydraspec.drafters.dynamic): growth arithmetic, replay against the engine, tree.json, exactness and
 losslessness."""
 from __future__ import annotations
@@ -18,17 +18,14 @@ from hydraspec.drafters.heads import HeadDrafter
 from hydraspec.heads import build_heads
 from hydraspec.sampling import Sampling
 from hydraspec.tree import bfs_paths, load_tree_spec, shape_of
-from hydraspec.treebuild import (
-    Calibration,
+from hydraspec.trees.build import build_tree
+from hydraspec.trees.calibrate import Calibration, draft_ranks, greedy_sequences, head_ranks
+from hydraspec.trees.grow import (
     acceptance_table,
-    build_tree,
-    draft_ranks,
     drafted_nodes,
     expected_tokens,
-    greedy_sequences,
     grow_medusa,
     grow_simulate,
-    head_ranks,
     replay,
     replay_steps,
 )
@@ -309,7 +306,7 @@ def test_build_tree_per_batch_size_feeds_batch_trees(tok, tmp_path):
     """--batch-sizes: a tree per batch size, chosen by B x expected tokens / (verify at B rows + draft);
     the tree.json's by_batch is what --batch-trees reads."""
     from hydraspec.batch import load_batch_trees
-    from hydraspec.treebuild import time_batch_verify
+    from hydraspec.trees.measure import time_batch_verify
 
     model = tiny.cached_model("llama", "sdpa", 1)
     draft = tiny.noisy_copy(model, 0.1)
@@ -546,7 +543,7 @@ def test_cli_build_tree_draft_model_end_to_end(saved, tmp_path, capsys):
         assert key in d
     assert {"machine", "dtype", "batch_size", "device"} <= set(d["measured_on"])
     # no --draft-confidence: the stop is chosen with the tree among the default candidates
-    from hydraspec.treebuild import DEFAULT_STOPS
+    from hydraspec.trees.build import DEFAULT_STOPS
 
     assert [s["confidence"] for s in d["stops"]] == list(DEFAULT_STOPS)
     assert d["drafter"]["confidence"] in DEFAULT_STOPS
@@ -631,7 +628,7 @@ def test_time_steps_advances_by_the_accepted_path(tok):
     """The draft model's catch-up between steps follows the accepted count: after accepting k nodes of
     a chain it holds prefix + k tokens in its cache, and then feeds only the target's token."""
     from hydraspec.drafters import make_drafter
-    from hydraspec.treebuild import time_steps
+    from hydraspec.trees.measure import time_steps
 
     model = tiny.cached_model("llama", "sdpa", 1)
     draft = tiny.noisy_copy(model, 0.1)
@@ -669,7 +666,7 @@ def test_cli_build_tree_refuses_draft_confidence_with_heads(tmp_path, capsys):
 
 
 def test_stop_candidates_parsing():
-    from hydraspec.treebuild import DEFAULT_STOPS, stop_candidates
+    from hydraspec.trees.build import DEFAULT_STOPS, stop_candidates
 
     assert stop_candidates(None) == [None]
     assert stop_candidates("auto") == list(DEFAULT_STOPS)

@@ -341,7 +341,7 @@ def cmd_build_tree(args) -> int:
     from .bench.prompts import load_questions
     from .generator import SpeculativeGenerator
     from .models import load_model
-    from .treebuild import build_tree, plot_tree, save_tree, stop_candidates
+    from .trees.build import build_tree, plot_tree, save_tree, stop_candidates
 
     if (args.heads is None) == (args.draft_model is None):
         raise HydraspecError("build-tree needs exactly one of --heads DIR and --draft-model")
