@@ -283,7 +283,7 @@ def test_w4a8_draft_refused_without_an_int8_dot_kernel(monkeypatch):
     the request is refused with a message that names the way out, and nothing is quantised."""
     from hydraspec import kernels
     from hydraspec.errors import HydraspecError
-    from hydraspec.models import quantize_draft
+    from hydraspec.quantize import quantize_draft
     draft = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2)
     monkeypatch.setattr(kernels, "int8_dot_lib", lambda: None)
     for how in ("w8a8", "w4a8"):

@@ -41,6 +41,8 @@ from typing import Any, Iterator
 
 from hydraspec.errors import HydraspecError
 from hydraspec.home import hydraspec_home
+from hydraspec.quantize import DRAFT_QUANT  # noqa: F401  (scripts/ still import it from here)
+from hydraspec.quantize import auto_draft_quant, quantize_draft
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -720,43 +722,16 @@ def _resolve_source(name_or_path: str, dtype: str, auto_pull: bool, progress: bo
     return x, "hub"
 
 
-DRAFT_QUANT = ("none", "int8", "w8a8", "w4a8")
-
-
-def quantize_draft(model, how: str | None):
-    """Quantise a draft model's Linear weights in place (``how``: none | int8 | w8a8 | w4a8, see
-    hydraspec.kernels.Int8Linear / W8A8Linear / W4A8Linear); returns the model.
-    Only for drafters: the verified output comes from the unquantised target, so this changes how
-    many draft tokens are accepted, never the generated text."""
-    if how in (None, "none"):
-        return model
-    if how not in DRAFT_QUANT:
-        raise HydraspecError(f"unknown draft quantisation '{how}' (known: {', '.join(DRAFT_QUANT)})")
-    if next(model.parameters()).device.type != "cpu":
-        raise HydraspecError(f"--draft-quant {how} runs on the CPU kernel only; drop it for GPU drafters")
-    from .kernels import quantize_int8, quantize_w4a8, quantize_w8a8, int8_dot_lib
-
-    if how in ("w8a8", "w4a8") and int8_dot_lib() is None:
-        raise HydraspecError(f"--draft-quant {how} needs the native CPU kernel (AVX2 or AVX512_VNNI and a C "
-                             "compiler); use int8")
-    {"int8": quantize_int8, "w8a8": quantize_w8a8, "w4a8": quantize_w4a8}[how](model)
-    return model
-
-
 def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None,
                      vocab: int | None = None):
     """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
     and quantise it as asked: ``gguf`` (or ``auto`` for a GGUF model on the CPU) keeps the file's precision,
-    the others re-quantise (:func:`quantize_draft`; a GGUF model is re-quantised from the file's own values,
-    never from a bf16 copy); ``auto`` is ``w4a8`` for a GGUF draft on the CPU with the native kernel.
+    the others re-quantise (:mod:`hydraspec.quantize`; a GGUF model is re-quantised from the file's own
+    values, never from a bf16 copy); ``auto`` is ``w4a8`` for a GGUF draft on the CPU with the native kernel.
     ``vocab``: draft over the first ``vocab`` token ids and the special ones only (:mod:`hydraspec.draft_vocab`);
     None: the auto cut of large vocabularies; 0: the whole vocabulary. Returns ``(model, tokenizer)``."""
     if quant in (None, "auto"):
-        quant = resolve_quant("auto", name, device) if loader is None else "none"
-        if quant == "gguf":  # the measured fast default: 4-bit codes re-quantized from the file's values
-            from .kernels import int8_dot_lib
-
-            quant = "w4a8" if int8_dot_lib() is not None else "gguf"
+        quant = auto_draft_quant(resolve_quant("auto", name, device)) if loader is None else "none"
     requant = quant not in ("gguf", "none")
     if loader is not None:
         model, tok = loader(name, dtype=dtype, device=device)
