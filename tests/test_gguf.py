@@ -190,3 +190,174 @@ def test_without_a_compiler_everything_runs_on_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")
+
+
+# ---- the AVX2 build's GGUF kernel: AVX2-only CPUs (AMD Zen 2/3) and AVX-512 ones without VNNI run it ----
+
+def _gguf_builds():
+    """The AVX2 build of the native kernel and, where this CPU runs it (AVX512_VNNI), the AVX-512 build, for
+    comparing their GGUF kernels; skips without AVX2 + FMA or without a C compiler."""
+    from hydraspec import kernels
+
+    if not kernels.cpu_runs("avx2"):
+        pytest.skip("no AVX2 + FMA on this CPU")
+    avx2 = kernels.build_native("avx2")
+    if avx2 is None:
+        pytest.skip("no C compiler")
+    vnni = None
+    if kernels.cpu_runs("avx512") and "avx512_vnni" in kernels._cpu_flags():
+        vnni = kernels.build_native("avx512")
+    return avx2, vnni
+
+
+def _kernel_arithmetic(lin: GGUFLinear, x: torch.Tensor) -> torch.Tensor:
+    """The native GGUF kernels' arithmetic, operation by operation: exact integer group sums, then per group in
+    fp32 the scale product, a fused multiply-add (and for the min form a fused multiply-subtract), bias, bf16.
+    Each operation runs in float64 and is rounded to float32: a product of two floats is exact in float64, so
+    this is the fused result (but for double-rounding ties, vanishingly rare). GGUFLinear.reference rounds the
+    product before adding, and so differs from the kernels by a bf16 step now and then."""
+    from hydraspec.gguf_weights import quantize_rows_grouped
+
+    def r(t):
+        return t.float().double()
+    q, sx = quantize_rows_grouped(x, lin.group)  # [n, ng, G], [n, ng]
+    n, ng, _ = q.shape
+    xs = q.sum(-1)
+    mxs = (sx * xs).double()  # fp32 product, as make_gguf_rows
+    codes = lin.codes().double().view(lin.out_features, ng, lin.group)
+    isum = torch.einsum("ngk,ogk->gno", q.double(), codes)  # exact integers
+    sc, mn = lin.group_scales()  # fp32: K-quants' d * sub-scale as the kernels multiply them
+    f = torch.zeros(n, lin.out_features, dtype=torch.float64)
+    for g in range(ng):
+        sxg = sx[:, g:g + 1].double()
+        if mn is None:
+            f = r(f + r((isum[g] - lin.zero * xs[:, g:g + 1].double()) * sc[:, g].double()) * sxg)
+        else:
+            f = r(f + r(isum[g] * sc[:, g].double()) * sxg)
+            f = r(f - mn[:, g].double() * mxs[:, g:g + 1])
+    if lin.bias32 is not None:
+        f = r(f + lin.bias32.double())
+    return f.float().bfloat16()
+
+
+def _bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values lie between a and b (bf16 tensors, same sign or zero), elementwise."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return torch.where((ia < 0) == (ib < 0), (ia - ib).abs(), torch.full_like(ia, 1 << 16))
+
+
+def _extreme_codes(qw):
+    """Output rows 0-2 of a decoded weight at the largest int16 sums the kernels make: every code at its top,
+    every code at 0 (8 bits: code - 128 at -128), and the two alternating."""
+    top = (1 << qw.bits) - 1
+    qw.codes[0], qw.codes[1] = top, 0
+    qw.codes[2, 0::2], qw.codes[2, 1::2] = top, 0
+    return qw
+
+
+def _extreme_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows 0-2 of x at the extreme activation codes (every code +127, every code -127, alternating) and a
+    row of large values beside small ones."""
+    x[0] = 1.0
+    if len(x) > 1:
+        x[1] = -1.0
+    if len(x) > 2:
+        x[2, 0::2], x[2, 1::2] = 1.0, -1.0
+    if len(x) > 3:
+        x[3] *= 40
+    return x
+
+
+def _check_exact(lin: GGUFLinear, x: torch.Tensor, avx2, vnni, monkeypatch) -> torch.Tensor:
+    """The AVX2 build's output for x equals the VNNI build's (where it runs) and the arithmetic in torch. With
+    a bias, again for a bias that cancels each row's sum in turn: the output is then what bf16 otherwise
+    hides, the low bits of that row's fp32 sums (a multiply and an add where the kernels fuse them would
+    show there). Returns the output with lin's own bias."""
+    import hydraspec.gguf_weights as gw
+
+    def check(tag):
+        monkeypatch.setattr(gw, "_gguf_lib", lambda: avx2)
+        y = lin(x)
+        assert torch.equal(y, _kernel_arithmetic(lin, x)), tag
+        if vnni is not None:
+            monkeypatch.setattr(gw, "_gguf_lib", lambda: vnni)
+            assert torch.equal(lin(x), y), tag
+        return y
+    with torch.no_grad():
+        y = check(f"{len(x)} rows")
+        if lin.bias32 is not None:
+            kept = lin.bias32.clone()  # changed in place below: the kernel may keep the buffer's address
+            lin.bias32.zero_()
+            plain = check(f"{len(x)} rows, zero bias").float()
+            for i in range(len(x)):
+                lin.bias32.copy_(-plain[i])
+                check(f"{len(x)} rows, a bias cancelling row {i}")
+            lin.bias32.copy_(kept)
+    return y
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED)
+def test_avx2_gguf_kernel_equals_the_vnni_kernel(type_name, monkeypatch):
+    """The AVX2 build's GGUF kernel (vpmaddubsw, no VNNI) computes what the AVX-512 VNNI kernel computes, bit
+    for bit: every type, 1-13 rows (inside and across its passes of 4 rows), 77 outputs (a partial block),
+    with and without bias, codes and activations at their extremes (the largest int16 sums). Without VNNI
+    here, it is checked against the same arithmetic in torch; GGUFLinear.reference, which rounds products
+    before adding them, is at most a bf16 step away, and on few outputs."""
+    avx2, vnni = _gguf_builds()
+    qw = _extreme_codes(decode(type_name, random_tensor(type_name, 77, 512, seed=5), 77, 512))
+    torch.manual_seed(5)
+    for bias in (None, torch.randn(77)):
+        lin = GGUFLinear(qw, bias=bias)
+        for rows in (1, 2, 3, 5, 7, 13):
+            x = _extreme_rows(torch.randn(rows, 512).bfloat16())
+            y = _check_exact(lin, x, avx2, vnni, monkeypatch)
+            with torch.no_grad():
+                steps = _bf16_steps_apart(y, lin.reference(x))
+            assert steps.max() <= 1 and (steps > 0).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("bits,form,group", [(4, "min", 64), (4, "zero", 8), (6, "min", 12), (6, "zero", 16),
+                                             (6, "two", 16), (8, "zero", 64), (8, "min", 12), (4, "two", 32)])
+def test_avx2_gguf_kernel_any_group_size(bits, form, group, monkeypatch):
+    """Group sizes other than GGUF's 16 and 32 (the kernel's general path: int16 sums over several rounds,
+    a last round shorter), the 8-bit min form and an 8-bit zero point other than 128 (no GGUF type has
+    them, the kernels do), and two-level scales: the AVX2 build equals the VNNI build and the arithmetic
+    in torch."""
+    from hydraspec.gguf_weights import QuantWeight
+
+    avx2, vnni = _gguf_builds()
+    rng = np.random.default_rng(bits * 100 + group)
+    rows, cols = 45, 384
+    ng = cols // group
+    qw = QuantWeight(rng.integers(0, 1 << bits, size=(rows, cols), dtype=np.uint8), bits, group,
+                     rng.uniform(0.001, 0.02, size=(rows, ng)).astype(np.float32), None,
+                     {4: 8, 6: 32, 8: 100}[bits])
+    if form == "min":
+        qw.min, qw.zero = rng.uniform(-0.1, 0.1, size=(rows, ng)).astype(np.float32), 0
+    elif form == "two":  # K-quant scales: an fp32 d per 4 groups times an int8 sub-scale
+        qw.d = rng.uniform(0.001, 0.01, size=(rows, ng // 4)).astype(np.float32)
+        qw.sub_scale = rng.integers(-63, 64, size=(rows, ng), dtype=np.int8)
+        qw.scale = np.repeat(qw.d, 4, axis=1) * qw.sub_scale.astype(np.float32)
+    qw = _extreme_codes(qw)
+    lin = GGUFLinear(qw, bias=torch.randn(rows))
+    for n in (1, 4, 6):
+        _check_exact(lin, _extreme_rows(torch.randn(n, cols).bfloat16()), avx2, vnni, monkeypatch)
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED)
+def test_avx2_gguf_rows_are_independent(type_name, monkeypatch):
+    """With the AVX2 build a row's output is the same whatever rows are computed beside it (alone, in
+    passes of 4 rows at any position, split across calls)."""
+    import hydraspec.gguf_weights as gw
+
+    avx2, _ = _gguf_builds()
+    monkeypatch.setattr(gw, "_gguf_lib", lambda: avx2)
+    lin = GGUFLinear(decode(type_name, random_tensor(type_name, 70, 512, seed=1), 70, 512), bias=torch.randn(70))
+    torch.manual_seed(1)
+    x = _extreme_rows(torch.randn(15, 512).bfloat16())
+    with torch.no_grad():
+        full = lin(x)
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
+        pieces = torch.cat([lin(x[:6]), lin(x[6:9]), lin(x[9:])])
+        backwards = lin(x.flip(0)).flip(0)
+    assert torch.equal(full, alone) and torch.equal(full, pieces) and torch.equal(full, backwards)

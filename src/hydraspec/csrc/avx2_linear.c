@@ -1,5 +1,6 @@
-/* hydraspec: y[n, out] = x[n, in] @ w[out, in]^T (+ bias) for bf16 and int8 weights on AVX2 CPUs, and
-   the int8-activation formats of draft models (w8a8, w4a8; second half of this file).
+/* hydraspec: y[n, out] = x[n, in] @ w[out, in]^T (+ bias) for bf16 and int8 weights on AVX2 CPUs, the
+   int8-activation formats of draft models (w8a8, w4a8; second half of this file) and GGUF weights at the
+   file's precision (last part).
 
    The AVX2 (+FMA) counterpart of bf16_linear.c for CPUs without AVX-512 (e.g. AMD Zen 2/3, Intel
    before Skylake-SP): torch's bf16 GEMM emulates bf16 there row by row (a Qwen2.5-1.5B forward: 213 ms
@@ -264,3 +265,155 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
     int8_call c = {in, out, group, wq, NULL, scale, y, bias};
     return run_int8(xb, n, NQ, 0, &c, w4_tile, nthreads);
 }
+
+/* ---- GGUF-precision weights (hs_gguf.h has the formats) ----
+   The AVX2 counterpart of bf16_linear.c's AVX512_VNNI GGUF kernel: the same activation codes (per row and
+   group of G inputs), the same exact int32 group sums, and per group the same fp32 operations in the same
+   order (the K-quant scale product d * sub-scale, then one multiply and one fused multiply-add, and for the
+   min form one fused multiply-subtract), so the two builds agree bit for bit, and a row's result never
+   depends on the rows beside it. A pass covers up to NG rows x the 32 outputs of a weight block, in vectors
+   of 8 outputs x 4 inputs (outputs 0-7, 8-15: the low nibbles of a step's two 32-byte halves; 16-23, 24-31:
+   their high nibbles), all four at once for one row, two at a time (0 and 2, then 1 and 3: the same bytes)
+   for more, so that the int16 sums of every row stay in registers through a group.
+   vpmaddubsw (u8 x s8 -> saturating int16 pair sums) and vpmaddwd by ones (-> int32) make the integer
+   sums, with operands chosen so that nothing saturates:
+   - 4-bit codes (<= 15): a pair sum is at most 2 * 15 * 127 = 3810, so 8 steps (32 inputs) add up in int16;
+   - 6-bit codes (<= 63): at most 2 * 63 * 127 = 16002, so 2 steps add up in int16 (32004);
+   - 8-bit codes (0..255): code - 128 as a signed byte times x by the sign trick: |code - 128| (unsigned,
+     <= 128) times x carrying the weight's sign (|x| <= 127), a pair sum at most 2 * 128 * 127 = 32512,
+     widened every step. sum(code * x) = sum((code - 128) * x) + 128 * sum(x) exactly in int32, so the
+     zero point form (code - z) and the min form get the VNNI kernel's integers. */
+#include "hs_gguf.h" /* make_gguf_rows, run_gguf, gguf_store */
+
+#define NG 4 /* rows per pass of the GGUF kernels */
+
+static inline __m256 ld8x8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+/* Weight vector v (outputs 8v .. 8v+7 x 4 inputs) of step p of a block (wb: its codes, hb: 6-bit top bits):
+   the codes as u8, or for 8 bits code - 128 as s8. B and v are constants where it is inlined. */
+static inline __attribute__((always_inline)) __m256i gguf_wv(int B, const uint8_t* wb, const uint8_t* hb,
+                                                             int64_t p, int v) {
+    if (B == 8) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wb + p * 128 + 32 * v)),
+                                        _mm256_set1_epi8((char)0x80));
+    __m256i w = _mm256_loadu_si256((const __m256i*)(wb + p * 64 + 32 * (v & 1)));
+    w = _mm256_and_si256(v < 2 ? w : _mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0f));
+    if (B == 6) { /* lane i of vector v: bits 2v, 2v+1 of top-bit byte i (v = 0, 1, 2, 3 as in hs_gguf.h) */
+        __m256i h = _mm256_loadu_si256((const __m256i*)(hb + p * 32));
+        h = v == 0 ? _mm256_slli_epi16(h, 4) : v == 1 ? _mm256_slli_epi16(h, 2) : v == 2 ? h : _mm256_srli_epi16(h, 2);
+        w = _mm256_or_si256(w, _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+    }
+    return w;
+}
+
+/* acc + t in int16 (vpaddw), written into acc's register: with _mm256_add_epi16, GCC 12 copies every
+   loop-carried sum to another register each step (a third more instructions in the inner loop) */
+static inline __attribute__((always_inline)) __m256i add16_to(__m256i acc, __m256i t) {
+    __asm__("vpaddw %1, %0, %0" : "+x"(acc) : "x"(t));
+    return acc;
+}
+
+/* N rows x one weight block; B bits, M the min form; GC the steps of a group (G / 4) where the function is
+   made for one group size (a loop of known length), else 0. The output vectors are taken V at a time. */
+#define DEFG(N, B, M, GC) \
+static void g##B##M##_##GC##_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0) { \
+    enum { V = N == 1 ? 4 : 2 }; \
+    const int64_t in4 = c->in / 4, g4 = GC ? GC : c->G / 4, ng = c->in / c->G, o0 = b * OB; \
+    const int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
+    const int64_t R = B == 4 ? 8 : B == 6 ? 2 : 1; /* steps summed in int16 before widening */ \
+    const int32_t* xq = q->xq + j0 * in4; \
+    const float* sx = q->sx + j0 * ng; \
+    const int32_t* xs = q->xs + j0 * ng; \
+    const float* mxs = q->mxs + j0 * ng; \
+    const uint8_t* wb = c->wq + (size_t)(b * in4 * (B == 8 ? 128 : 64)); \
+    const uint8_t* hb = B == 6 ? c->wh + (size_t)(b * in4 * 32) : NULL; \
+    const int two = c->sc == NULL; /* K-quants: d * sub-scale */ \
+    const int64_t nsb = two ? ng / c->per_d : 0; \
+    const float* sb = two ? NULL : c->sc + (size_t)(b * ng * OB); \
+    const float* mb = M && !two ? c->mn + (size_t)(b * ng * OB) : NULL; \
+    const int8_t* ssb = two ? c->ssc + (size_t)(b * ng * OB) : NULL; \
+    const int8_t* smb = M && two ? c->smn + (size_t)(b * ng * OB) : NULL; \
+    const float* db = two ? c->d + (size_t)(b * nsb * OB) : NULL; \
+    const float* dmb = M && two ? c->dmin + (size_t)(b * nsb * OB) : NULL; \
+    const __m256i ones = _mm256_set1_epi16(1); \
+    float acc[N][OB]; \
+    memset(acc, 0, sizeof(acc)); \
+    for (int64_t g = 0, sub = 0, gi = 0; g < ng; g++) { /* group g is group gi of K-quant super-block sub */ \
+        const int64_t p0 = g * g4, pe = p0 + g4; \
+        _Pragma("GCC unroll 4") for (int sw = 0; sw < 4 / V; sw++) { \
+            __m256i a[N][V]; \
+            _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) \
+                _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) a[j][k] = _mm256_setzero_si256(); \
+            for (int64_t c0 = p0; c0 < pe; c0 += R) { \
+                const int64_t c1 = c0 + R < pe ? c0 + R : pe; \
+                __m256i s[N][V]; \
+                _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) \
+                    _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) s[j][k] = _mm256_setzero_si256(); \
+                int64_t p = c0; \
+                _Pragma("GCC unroll 1") do { \
+                    _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
+                        __m256i w = gguf_wv(B, wb, hb, p, sw + k * (4 / V)), u = B == 8 ? _mm256_abs_epi8(w) : w; \
+                        _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) { \
+                            __m256i xv = _mm256_set1_epi32(xq[p * N + j]); \
+                            s[j][k] = add16_to(s[j][k], _mm256_maddubs_epi16(u, B == 8 ? _mm256_sign_epi8(xv, w) : xv)); } } \
+                } while (++p < c1); \
+                _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) \
+                    _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) \
+                        a[j][k] = _mm256_add_epi32(a[j][k], _mm256_madd_epi16(s[j][k], ones)); \
+            } \
+            _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
+                const int v = sw + k * (4 / V); \
+                __m256 sc, mn = _mm256_setzero_ps(); \
+                if (two) { \
+                    sc = _mm256_mul_ps(_mm256_loadu_ps(db + sub * OB + 8 * v), ld8x8(ssb + g * OB + 8 * v)); \
+                    if (M) mn = _mm256_mul_ps(_mm256_loadu_ps(dmb + sub * OB + 8 * v), ld8x8(smb + g * OB + 8 * v)); \
+                } else { \
+                    sc = _mm256_loadu_ps(sb + g * OB + 8 * v); \
+                    if (M) mn = _mm256_loadu_ps(mb + g * OB + 8 * v); \
+                } \
+                _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) { \
+                    __m256 xsv = _mm256_set1_ps(sx[g * N + j]), f = _mm256_loadu_ps(acc[j] + 8 * v); \
+                    if (M) { /* sum(code * x) */ \
+                        __m256i isum = B == 8 ? _mm256_add_epi32(a[j][k], _mm256_set1_epi32(128 * xs[g * N + j])) : a[j][k]; \
+                        f = _mm256_fnmadd_ps(mn, _mm256_set1_ps(mxs[g * N + j]), \
+                                             _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), sc), xsv, f)); \
+                    } else { /* sum((code - zero) * x) */ \
+                        __m256i zc = _mm256_set1_epi32((int32_t)(B == 8 ? c->zero - 128 : c->zero) * xs[g * N + j]); \
+                        f = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[j][k], zc)), sc), xsv, f); \
+                    } \
+                    _mm256_storeu_ps(acc[j] + 8 * v, f); } \
+            } \
+        } \
+        if (two && ++gi == c->per_d) { gi = 0; sub++; } \
+    } \
+    _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) gguf_store(acc[j], c->y + (j0 + j) * c->out + o0, o0, width, c->bias); \
+}
+/* every format for any group size and for groups of 32 (all GGUF types but Q6_K); Q6_K's groups of 16 */
+#define DEFG_G(B, M, GC) DEFG(1, B, M, GC) DEFG(2, B, M, GC) DEFG(3, B, M, GC) DEFG(4, B, M, GC)
+#define DEFG_ALL(B, M) DEFG_G(B, M, 0) DEFG_G(B, M, 8)
+DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(6, 0) DEFG_ALL(6, 1) DEFG_ALL(8, 0) DEFG_ALL(8, 1) DEFG_G(6, 0, 4)
+typedef void (*gfn)(const gguf_call*, const gguf_rows*, int64_t, int64_t);
+#define GROWS(B, M, GC) {0, g##B##M##_##GC##_1, g##B##M##_##GC##_2, g##B##M##_##GC##_3, g##B##M##_##GC##_4}
+/* [bits 4, 6, 8][zero point, min][groups of any size, of 16, of 32][rows] */
+static const gfn GK[3][2][3][NG + 1] = {
+    {{GROWS(4, 0, 0), GROWS(4, 0, 0), GROWS(4, 0, 8)}, {GROWS(4, 1, 0), GROWS(4, 1, 0), GROWS(4, 1, 8)}},
+    {{GROWS(6, 0, 0), GROWS(6, 0, 4), GROWS(6, 0, 8)}, {GROWS(6, 1, 0), GROWS(6, 1, 0), GROWS(6, 1, 8)}},
+    {{GROWS(8, 0, 0), GROWS(8, 0, 0), GROWS(8, 0, 8)}, {GROWS(8, 1, 0), GROWS(8, 1, 0), GROWS(8, 1, 8)}}};
+
+static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr) {
+    int m = c->mn != NULL || c->dmin != NULL, gs = c->G == 16 ? 1 : c->G == 32 ? 2 : 0;
+    GK[c->bits == 4 ? 0 : c->bits == 6 ? 1 : 2][m][gs][nr](c, q, b, j0);
+}
+
+/* x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16, the arithmetic of the AVX-512
+   build's hs_linear_gguf. 0, or -1 when out of memory. */
+int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const uint8_t* wh, const float* sc,
+                   const float* mn, const float* d, const int8_t* ssc, const float* dmin, const int8_t* smn, int64_t per_d,
+                   int64_t zero, int64_t G, int64_t bits, int64_t out, uint16_t* y, const float* bias, int nthreads) {
+    gguf_call c = {in, out, G, bits, zero, per_d, wq, wh, sc, mn, d, ssc, dmin, smn, y, bias};
+    return run_gguf(xb, n, NG, &c, g_tile, nthreads);
+}
+#ifdef GGUF_ENTRIES /* hs_gguf.h's struct-argument entry points over the same tile function */
+GGUF_ENTRIES(NG, g_tile)
+#endif
