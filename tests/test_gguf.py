@@ -38,6 +38,8 @@ def test_decode_equals_gguf_dequantize(type_name):
     assert torch.equal(lin.select(rows).dequantized(), torch.from_numpy(ref)[rows])
     emb = GGUFEmbedding(lin, torch.float32)
     assert torch.equal(emb(rows.view(1, -1))[0], torch.from_numpy(ref)[rows])
+    emb16 = GGUFEmbedding(lin, torch.bfloat16)  # bf16: the native row lookup where the kernel is built
+    assert torch.equal(emb16(rows.view(1, -1))[0], torch.from_numpy(ref)[rows].bfloat16())
 
 
 def test_unsupported_type_is_refused_by_name():

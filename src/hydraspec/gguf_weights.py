@@ -19,6 +19,7 @@ what plain decoding computes.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from hydraspec.errors import HydraspecError
+from hydraspec.kernels import release_free_memory
 
 __all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped"]
 
@@ -199,7 +201,13 @@ def _gguf_lib():
     from . import kernels
 
     lib = kernels.int8_dot_lib()
-    return lib if lib is not None and getattr(lib, "has_gguf", False) else None
+    return lib if lib is not None and hasattr(lib, "hs_gguf_apply") else None
+
+
+class _GGUFCall(ctypes.Structure):
+    """hs_gguf.h's gguf_call: a GGUF weight's shape, format and buffers (y is set by the kernel per call)."""
+    _fields_ = [(n, ctypes.c_int64) for n in ("in_", "out", "G", "bits", "zero", "per_d")] + \
+               [(n, ctypes.c_void_p) for n in ("wq", "wh", "sc", "mn", "d", "ssc", "dmin", "smn", "y", "bias")]
 
 
 class GGUFLinear(nn.Module):
@@ -264,9 +272,11 @@ class GGUFLinear(nn.Module):
     @classmethod
     def from_gguf(cls, type_name: str, raw: np.ndarray, rows: int, cols: int, perm: np.ndarray | None = None,
                   bias: torch.Tensor | None = None, chunk: int = 4096) -> "GGUFLinear":
-        """Build from a GGUF tensor's bytes ``raw`` ([rows, bytes per row]), decoding ``chunk`` rows at a
-        time (so loading never holds a second copy of a large tensor); ``perm`` reorders the rows."""
-        raw = raw.reshape(rows, -1)
+        """Build from a GGUF tensor's bytes ``raw`` ([rows, bytes per row]: an array, or a :class:`RowReader`
+        that reads rows from the file as they are sliced), decoding ``chunk`` rows at a time (so loading never
+        holds a second copy of a large tensor); ``perm`` reorders the rows."""
+        if isinstance(raw, np.ndarray):
+            raw = raw.reshape(rows, -1)
         first = decode(type_name, np.asarray(raw[:1] if perm is None else raw[perm[:1]]), 1, cols)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
@@ -356,22 +366,23 @@ class GGUFLinear(nn.Module):
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
-            if lib.hs_linear_gguf(x2.data_ptr(), x2.shape[0], *self._kernel_args(), y.data_ptr(), self._bias_ptr,
-                                  torch.get_num_threads()):
+            if lib.hs_gguf_apply(x2.data_ptr(), x2.shape[0], self.call_struct(), y.data_ptr(), torch.get_num_threads()):
                 raise MemoryError("hydraspec CPU kernel: out of memory")
             return y.view(*shape[:-1], self.out_features)
         return self.reference(x)
 
-    def _kernel_args(self) -> tuple:
-        """The kernel's weight arguments, cached while the codes stay where they are."""
+    def call_struct(self) -> int:
+        """The address of this weight's fields as the native kernel reads them (hs_gguf.h's gguf_call), built
+        once and rebuilt whenever the buffers have moved."""
         b = self._buffers
-        key = b["qweight"].data_ptr()
-        if getattr(self, "_args_key", None) != key:
-            ptr = [None if b[n] is None else b[n].data_ptr()
-                   for n in ("qweight", "qhigh", "scale", "minimum", "d", "sub_scale", "dmin", "sub_min", "bias32")]
-            self._args = (self.in_features, *ptr[:8], self.per_d, self.zero, self.group, self.bits, self.out_features)
-            self._bias_ptr, self._args_key = ptr[8], key
-        return self._args
+        key = tuple(None if t is None else t.data_ptr() for t in b.values())
+        if getattr(self, "_call_key", None) != key:
+            ptr = {n: (None if t is None else t.data_ptr()) for n, t in b.items()}
+            self._call = _GGUFCall(self.in_features, self.out_features, self.group, self.bits, self.zero, self.per_d,
+                                   ptr["qweight"], ptr["qhigh"], ptr["scale"], ptr["minimum"], ptr["d"],
+                                   ptr["sub_scale"], ptr["dmin"], ptr["sub_min"], None, ptr["bias32"])
+            self._call_key, self._call_addr = key, ctypes.addressof(self._call)
+        return self._call_addr
 
     @classmethod
     def concat(cls, parts: list["GGUFLinear"]) -> "GGUFLinear":
@@ -445,6 +456,14 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        lib = _gguf_lib()
+        if lib is not None and self.dtype == torch.bfloat16 and flat.is_cpu:
+            flat = flat.to(torch.int64).contiguous()
+            if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < self.num_embeddings:
+                raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+            out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.bfloat16)
+            lib.hs_gguf_rows(self.table.call_struct(), flat.data_ptr(), flat.numel(), out.data_ptr())
+            return out.view(*ids.shape, self.embedding_dim)
         return self.table.dequantized(flat).to(self.dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -462,6 +481,20 @@ def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
                          "it cannot be held at the file's precision (load with --quant none)")
 
 
+class RowReader:
+    """Rows [r0, r1) of a tensor in an open file, read when sliced: a large tensor is never held whole."""
+
+    def __init__(self, handle, offset: int, rows: int, row_bytes: int):
+        self.handle, self.offset, self.row_bytes = handle, offset, row_bytes
+        self.shape = (rows, row_bytes)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        r0, r1, _ = rows.indices(self.shape[0])
+        self.handle.seek(self.offset + r0 * self.row_bytes)
+        data = self.handle.read(max(r1 - r0, 0) * self.row_bytes)
+        return np.frombuffer(data, dtype=np.uint8).reshape(-1, self.row_bytes)
+
+
 def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str | None = None,
                 progress: bool = True):
     """The stock transformers model for ``config`` with the weights of ``gguf_file``: every Linear whose
@@ -476,6 +509,7 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
 
     reader = GGUFReader(str(gguf_file))
     arch = str(reader.fields["general.architecture"].contents())
+    reader.fields.clear()  # the metadata (the tokenizer's ~300k strings) costs ~0.4 GB as parsed objects
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -485,26 +519,34 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
     mapping = get_gguf_hf_weights_map(model, processor)
     quantized: dict[str, GGUFLinear] = {}  # module name -> its weight at the file's precision
     dense: dict[str, torch.Tensor] = {}  # parameter name -> tensor
+    # what each tensor is and where it lies; the reader (and its memory map) goes before any weight is read
+    tensors = [(t.name, t.tensor_type, int(t.shape[1]) if len(t.shape) > 1 else 1, int(t.shape[0]), int(t.data_offset),
+                int(t.n_bytes), t.data.dtype, t.data.shape) for t in reader.tensors]
+    del reader
     # tensors are read with plain file reads: pages of a memory map would count as resident memory
     handle = open(gguf_file, "rb")
-    for t in tqdm(reader.tensors, desc="loading GGUF weights", disable=not progress):
-        hf = mapping.get(t.name)
+    for i, (name, qtype, rows, cols, offset, nbytes, dtype_, shape) in enumerate(
+            tqdm(tensors, desc="loading GGUF weights", disable=not progress)):
+        if i % 16 == 15:
+            release_free_memory()  # the decoding's temporaries, before they add up
+        hf = mapping.get(name)
         if hf is None:
             continue
-        handle.seek(t.data_offset)
-        data = np.frombuffer(handle.read(int(t.n_bytes)), dtype=np.uint8)
         mod_name, pname = hf.rsplit(".", 1)
         mod = model.get_submodule(mod_name)
-        kind = t.tensor_type.name
+        kind = qtype.name
         if pname == "weight" and isinstance(mod, (nn.Linear, nn.Embedding)) and kind not in ("F32", "F16", "BF16"):
-            rows, cols = int(t.shape[1]), int(t.shape[0])
-            quantized[mod_name] = GGUFLinear.from_gguf(kind, data, rows, cols, _row_order(processor, t.name, rows))
+            perm = _row_order(processor, name, rows)
+            data = RowReader(handle, offset, rows, nbytes // rows)
+            if perm is not None:  # rows in another order: read the tensor whole
+                data = data[0:rows]
+            quantized[mod_name] = GGUFLinear.from_gguf(kind, data, rows, cols, perm)
         else:
-            arr = processor.process(weights=dequantize(data.view(t.data.dtype).reshape(t.data.shape), t.tensor_type),
-                                    name=t.name).weights
+            handle.seek(offset)
+            data = np.frombuffer(handle.read(nbytes), dtype=np.uint8)
+            arr = processor.process(weights=dequantize(data.view(dtype_).reshape(shape), qtype), name=name).weights
             dense[hf] = torch.from_numpy(np.array(arr))
     handle.close()
-    del reader
     for name, mod in list(model.named_modules()):
         if name in quantized:
             table = quantized[name]

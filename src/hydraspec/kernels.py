@@ -77,6 +77,15 @@ def describe() -> str:
     return "avx512-bf16dot" if bf16_dot() else isa
 
 
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``): loading, joining and
+    re-quantising weights leave hundreds of MB freed but still resident. A no-op without glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @lru_cache(maxsize=1)
 def native_lib():
     """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""
@@ -147,6 +156,11 @@ def build_native(isa: str):
                                       [ctypes.c_int64] * 5 + \
                                       [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.hs_linear_gguf.restype = ctypes.c_int
+    if hasattr(lib, "hs_gguf_apply"):  # the same call with the weight's fields in one struct (gguf_weights)
+        lib.hs_gguf_apply.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.hs_gguf_apply.restype = ctypes.c_int
+        lib.hs_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        lib.hs_gguf_rows.restype = None
     if isa != "avx512":
         return lib
     lib.hs_linear_bf16_pairs.argtypes = fn.argtypes
@@ -526,8 +540,13 @@ def _swap_linears(model: nn.Module, make) -> int:
             requant = type(child) in (nn.Linear, PackedLinear) or getattr(child, "requantizable", False)
             if requant and child.weight.device.type == "cpu":
                 todo.append((mod, child_name, child))
-    for parent, child_name, child in todo:
+    for i in range(len(todo)):  # each old weight is let go as soon as its replacement is in
+        parent, child_name, child = todo[i]
+        todo[i] = None
         setattr(parent, child_name, make(child))
+        del child
+        if i % 16 == 15:
+            release_free_memory()
     return len(todo)
 
 

@@ -749,6 +749,9 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
             getattr(model.generation_config, "eos_token_id", None))) + list(tok.added_tokens_decoder))
     if requant:
         quantize_draft(model, quant)
+        from .kernels import release_free_memory
+
+        release_free_memory()
     return model, tok
 
 
@@ -839,11 +842,16 @@ def load_model(
     if prepack or (prepack is None and os.environ.get("HYDRASPEC_PREPACK", "1") != "0"):
         if quant == "gguf":  # q/k/v and gate/up of one format in one kernel call each
             from .gguf_weights import GGUFLinear, can_concat
+            from .kernels import release_free_memory
             from .shared_input import fuse_siblings
 
-            fuse_siblings(model, can_concat, GGUFLinear.concat)
+            fuse_siblings(model, can_concat, GGUFLinear.concat, release_free_memory)
         if dev == "cpu":
             from .kernels import prepack as _prepack
 
             _prepack(model)
+    if dev == "cpu":
+        from .kernels import release_free_memory
+
+        release_free_memory()
     return model, tokenizer

@@ -66,12 +66,14 @@ class Projection(nn.Module):
         return f"columns {lo}:{hi} of a joined weight"
 
 
-def fuse_siblings(model: nn.Module, can_join, join) -> int:
+def fuse_siblings(model: nn.Module, can_join, join, after_each=None) -> int:
     """Join each run of consecutive :data:`SIBLINGS` in ``model`` for which ``can_join(modules)`` holds
     (``join(modules)`` builds the joined weight); the longest joinable prefix of a group is taken, so a
-    q/k/v whose v differs in format becomes a joined q/k and a separate v. Returns how many joined weights."""
+    q/k/v whose v differs in format becomes a joined q/k and a separate v. ``after_each()`` runs once the
+    separate weights of a group are let go (e.g. to hand their memory back). Returns how many joined weights."""
     done = 0
-    for parent in list(model.modules()):
+    parents = [m for m in model.modules() if any(isinstance(getattr(m, g[0], None), nn.Module) for g in SIBLINGS)]
+    for parent in parents:  # (a list of all modules would keep the separate weights alive to the end)
         for names in SIBLINGS:
             mods = [getattr(parent, n, None) for n in names]
             for end in range(len(names), 1, -1):
@@ -80,5 +82,8 @@ def fuse_siblings(model: nn.Module, can_join, join) -> int:
                     for i, n in enumerate(names[:end]):
                         setattr(parent, n, Projection(shared, i))
                     done += 1
+                    del mods
+                    if after_each is not None:
+                        after_each()
                     break
     return done

@@ -414,6 +414,4 @@ int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
     gguf_call c = {in, out, G, bits, zero, per_d, wq, wh, sc, mn, d, ssc, dmin, smn, y, bias};
     return run_gguf(xb, n, NG, &c, g_tile, nthreads);
 }
-#ifdef GGUF_ENTRIES /* hs_gguf.h's struct-argument entry points over the same tile function */
-GGUF_ENTRIES(NG, g_tile)
-#endif
+GGUF_ENTRIES(NG, g_tile) /* hs_gguf.h's struct-argument entry points over the same tile function */

@@ -361,3 +361,4 @@ int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
     gguf_call c = {in, out, G, bits, zero, per_d, wq, wh, sc, mn, d, ssc, dmin, smn, y, bias};
     return run_gguf(xb, n, NBG, &c, g_tile, nthreads);
 }
+GGUF_ENTRIES(NBG, g_tile)

@@ -25,6 +25,49 @@ typedef struct { int32_t* xq; float* sx; int32_t* xs; float* mxs; } gguf_rows;
 
 static inline void free_gguf_rows(gguf_rows* r) { free(r->xq); free(r->sx); free(r->xs); free(r->mxs); }
 
+/* One group of G bf16 inputs -> int8 codes (round half to even), returns the scale; *sum gets the code sum.
+   Eight lanes at a time with AVX2 (both builds have it): the same divisions and roundings as one at a time. */
+static inline float quantize_group(const uint16_t* x, int64_t G, int8_t* codes, int32_t* sum) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    __m256 m = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= G; i += 8) {
+        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
+        m = _mm256_max_ps(_mm256_castsi256_ps(_mm256_and_si256(u, abs_mask)), m); /* a NaN input is skipped */
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int t = 0; t < 8; t++) if (lanes[t] > amax) amax = lanes[t];
+    for (int64_t k = i; k < G; k++) {
+        float a = bf2f(x[k]);
+        a = a < 0 ? -a : a;
+        if (a > amax) amax = a;
+    }
+    float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const __m256 sv = _mm256_set1_ps(s);
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    __m256i acc = _mm256_setzero_si256();
+    int32_t q8[8];
+    for (i = 0; i + 8 <= G; i += 8) {
+        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
+        __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_castsi256_ps(u), sv)); /* round half to even */
+        q = _mm256_max_epi32(_mm256_min_epi32(q, hi), lo);
+        acc = _mm256_add_epi32(acc, q);
+        _mm256_storeu_si256((__m256i*)q8, q);
+        for (int t = 0; t < 8; t++) codes[i + t] = (int8_t)q8[t];
+    }
+    _mm256_storeu_si256((__m256i*)q8, acc);
+    int32_t total = q8[0] + q8[1] + q8[2] + q8[3] + q8[4] + q8[5] + q8[6] + q8[7];
+    for (int64_t k = i; k < G; k++) {
+        int q = _mm_cvtss_si32(_mm_set_ss(bf2f(x[k]) / s));
+        q = q > 127 ? 127 : (q < -127 ? -127 : q);
+        codes[k] = (int8_t)q;
+        total += q;
+    }
+    *sum = total;
+    return s;
+}
+
 /* x [n, in] bf16 (in a multiple of G, G a multiple of 4) -> row blocks of nb rows. 0, or -1 out of memory. */
 static int make_gguf_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t G, int64_t nb, gguf_rows* r) {
     int64_t nrb = (n + nb - 1) / nb, in4 = in / 4, ng = in / G, cap = nrb * nb;
@@ -38,26 +81,15 @@ static int make_gguf_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t G, 
         const uint16_t* x = xb + row * in;
         int64_t rb = row / nb, j = row % nb, nr = n - rb * nb < nb ? n - rb * nb : nb;
         for (int64_t g = 0; g < ng; g++) {
-            float amax = 0.0f;
-            for (int64_t i = g * G; i < (g + 1) * G; i++) {
-                float a = bf2f(x[i]);
-                a = a < 0 ? -a : a;
-                if (a > amax) amax = a;
-            }
-            float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-            int32_t sum = 0;
-            for (int64_t i = g * G; i < (g + 1) * G; i++) {
-                int q = _mm_cvtss_si32(_mm_set_ss(bf2f(x[i]) / s)); /* round half to even */
-                q = q > 127 ? 127 : (q < -127 ? -127 : q);
-                codes[i] = (int8_t)q;
-                sum += q;
-            }
+            int32_t sum;
+            float s = quantize_group(x + g * G, G, codes + g * G, &sum);
             int64_t at = rb * nb * ng + g * nr + j;
             r->sx[at] = s;
             r->xs[at] = sum;
             r->mxs[at] = s * (float)sum;
         }
-        for (int64_t p = 0; p < in4; p++) memcpy(r->xq + rb * nb * in4 + p * nr + j, codes + 4 * p, 4);
+        if (nr == 1) memcpy(r->xq + rb * nb * in4, codes, (size_t)in);
+        else for (int64_t p = 0; p < in4; p++) memcpy(r->xq + rb * nb * in4 + p * nr + j, codes + 4 * p, 4);
     }
     free(codes);
     return 0;
@@ -95,5 +127,56 @@ static int run_gguf(const uint16_t* xb, int64_t n, int64_t nb, const gguf_call* 
 /* Write one row's 32 fp32 sums (+ bias) as bf16 outputs o0 .. o0+width-1 */
 static inline void gguf_store(const float* acc, uint16_t* yr, int64_t o0, int64_t width, const float* bias) {
     for (int64_t k = 0; k < width; k++) yr[k] = f2bf(acc[k] + (bias ? bias[o0 + k] : 0.0f));
+}
+/* Output o's input i of a packed weight as its code (the layouts above) */
+static inline int gguf_code(const gguf_call* c, int64_t o, int64_t i) {
+    int64_t b = o / OB, k = o % OB, in4 = c->in / 4, p = i / 4, t = i % 4;
+    if (c->bits == 8) return c->wq[((b * in4 + p) * OB + k) * 4 + t];
+    uint8_t byte = c->wq[((b * in4 + p) * 16 + k % 16) * 4 + t];
+    int code = k < 16 ? byte & 15 : byte >> 4;
+    if (c->bits == 6) {
+        int64_t lane = 4 * (k % 16) + t;
+        int shift = 4 * (k >= 16) + 2 * (lane >= 32);
+        code |= ((c->wh[(b * in4 + p) * 32 + lane % 32] >> shift) & 3) << 4;
+    }
+    return code;
+}
+
+/* Rows ids[0 .. n) of a GGUF weight dequantized (fp32, as GGUFLinear.dequantized computes them: K-quant
+   scales d * sub-scale, then scale * code - min or scale * (code - zero), each product rounded on its own)
+   and rounded to bf16: out [n, in]. An embedding lookup at the file's precision. */
+void hs_gguf_rows(const gguf_call* c, const int64_t* ids, int64_t n, uint16_t* out) {
+    int64_t ng = c->in / c->G, nsb = c->sc == NULL ? ng / c->per_d : 0;
+    for (int64_t r = 0; r < n; r++) {
+        int64_t o = ids[r], b = o / OB, k = o % OB;
+        for (int64_t g = 0; g < ng; g++) {
+            volatile float s, m = 0.0f; /* volatile: no fused multiply-add, as in torch */
+            int has_min = c->mn != NULL || c->dmin != NULL;
+            if (c->sc == NULL) {
+                int64_t at = (b * nsb + g / c->per_d) * OB + k;
+                s = c->d[at] * (float)c->ssc[(b * ng + g) * OB + k];
+                if (has_min) m = c->dmin[at] * (float)c->smn[(b * ng + g) * OB + k];
+            } else {
+                s = c->sc[(b * ng + g) * OB + k];
+                if (has_min) m = c->mn[(b * ng + g) * OB + k];
+            }
+            for (int64_t i = g * c->G; i < (g + 1) * c->G; i++) {
+                int code = gguf_code(c, o, i);
+                volatile float w;
+                if (has_min) { w = s * (float)code; w = w - m; }
+                else w = s * (float)(code - (int)c->zero);
+                out[r * c->in + i] = f2bf(w);
+            }
+        }
+    }
+}
+
+/* A build's GGUF entry point over its tile function: the weight's fields in one struct (y ignored), so a call
+   from Python passes five arguments. */
+#define GGUF_ENTRIES(NB_, TILE_) \
+int hs_gguf_apply(const uint16_t* xb, int64_t n, const gguf_call* w, uint16_t* y, int nthreads) { \
+    gguf_call c = *w; \
+    c.y = y; \
+    return run_gguf(xb, n, NB_, &c, TILE_, nthreads); \
 }
 #endif
