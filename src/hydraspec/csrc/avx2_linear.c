@@ -17,7 +17,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, make_int8_rows */
+#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, run_f32, run_int8 */
 #include "hs_ops.h"    /* hs_rmsnorm, hs_attention */
 
 #define NB 6  /* rows per pass of the half-block kernels */
@@ -98,33 +98,30 @@ static const halffn BF_HALF[NB + 1] = {0, H(bf_half_1), H(bf_half_2), H(bf_half_
 static const halffn Q8_HALF[NB + 1] = {0, H(q8_half_1), H(q8_half_2), H(q8_half_3), H(q8_half_4), H(q8_half_5),
                                        H(q8_half_6)};
 
+/* the kernel tables of one weight type */
+typedef struct { const fullfn* full; const halffn* half; } f32_kern;
+
+/* 1-2 rows: one pass over all 32 outputs of a block */
+static void full_tile(const f32_call* c, const float* xt, const char* wb, int64_t j0, int64_t nr, int64_t o0,
+                      int64_t width) {
+    ((const f32_kern*)c->kern)->full[nr](xt, c->in, wb, c->y + j0 * c->out, c->out, o0, width, c->scale, c->bias);
+}
+/* more rows: a pass of up to 6 rows over each half of a block */
+static void half_tile(const f32_call* c, const float* xt, const char* wb, int64_t j0, int64_t nr, int64_t o0,
+                      int64_t width) {
+    halffn h = ((const f32_kern*)c->kern)->half[nr];
+    uint16_t* y = c->y + j0 * c->out;
+    h(xt, c->in, wb, y, c->out, o0, width, c->scale, c->bias, 0);
+    if (width > 16) h(xt, c->in, wb, y, c->out, o0, width, c->scale, c->bias, 16);
+}
+
 /* x [n, in] bf16 times packed weights wp (element size esize) -> y [n, out] bf16. 1-2 rows: one pass
    over all 32 outputs of a block; more rows: passes of up to 6 rows over each half of a block. */
 static int run(const fullfn* full, const halffn* half, size_t esize, const uint16_t* xb, int64_t n, int64_t in,
                const void* wp, const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int rb = n <= NF ? NF : NB;
-    int64_t nrb = (n + rb - 1) / rb;
-    float* xt = (float*)malloc((size_t)(nrb * rb * in) * sizeof(float));
-    if (!xt) return -1;
-    transpose_rows(xb, n, in, rb, xt);
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        const char* wb = (const char*)wp + (size_t)(b * in * OB) * esize;
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * rb, nr = n - j0 < rb ? n - j0 : rb;
-            const float* x = xt + r * rb * in;
-            if (rb == NF) {
-                full[nr](x, in, wb, y + j0 * out, out, o0, width, scale, bias);
-            } else {
-                half[nr](x, in, wb, y + j0 * out, out, o0, width, scale, bias, 0);
-                if (width > 16) half[nr](x, in, wb, y + j0 * out, out, o0, width, scale, bias, 16);
-            }
-        }
-    }
-    free(xt);
-    return 0;
+    f32_kern k = {full, half};
+    f32_call c = {in, out, wp, esize, scale, y, bias, &k};
+    return n <= NF ? run_f32(xb, n, NF, &c, full_tile, nthreads) : run_f32(xb, n, NB, &c, half_tile, nthreads);
 }
 
 /* bf16 weights packed by hs_pack_bf16; bias [out] fp32 or NULL. Returns 0, or -1 when out of memory. */

@@ -14,7 +14,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, transpose_rows, make_int8_rows */
+#include "hs_common.h" /* OB, f2bf, hs_pack_bf16, run_f32, run_int8 */
 #include "hs_ops.h"    /* hs_rmsnorm, hs_attention */
 #include "hs_gguf.h"   /* make_gguf_rows, run_gguf */
 
@@ -131,25 +131,17 @@ int hs_linear_bf16_pairs(const uint16_t* xb, int64_t n, int64_t in, const uint16
     return 0;
 }
 
+/* one pass of the micro kernel: rows j0 .. j0+nr-1 x all 32 outputs of a weight block */
+static void mk_tile(const f32_call* c, const float* xt, const char* wb, int64_t j0, int64_t nr, int64_t o0,
+                    int64_t width) {
+    ((const mkfn*)c->kern)[nr](xt, c->in, wb, c->y + j0 * c->out, c->out, o0, width, c->scale, c->bias);
+}
+
 /* x [n, in] bf16 times packed weights wp ([ceil(out/32)][in][32], element size esize) -> y [n, out] bf16 */
 static int run(const mkfn* kern, size_t esize, const uint16_t* xb, int64_t n, int64_t in, const void* wp,
                const float* scale, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    int64_t nrb = (n + NB - 1) / NB;
-    float* xt = (float*)malloc((size_t)(nrb * NB * in) * sizeof(float));
-    if (!xt) return -1;
-    transpose_rows(xb, n, in, NB, xt); /* row block r: [in][nr] fp32 */
-    int64_t nblk = (out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t o0 = b * OB, width = out - o0 < OB ? out - o0 : OB;
-        const char* wb = (const char*)wp + (size_t)(b * in * OB) * esize;
-        for (int64_t r = 0; r < nrb; r++) {
-            int64_t j0 = r * NB, nr = n - j0 < NB ? n - j0 : NB;
-            kern[nr](xt + r * NB * in, in, wb, y + j0 * out, out, o0, width, scale, bias);
-        }
-    }
-    free(xt);
-    return 0;
+    f32_call c = {in, out, wp, esize, scale, y, bias, kern};
+    return run_f32(xb, n, NB, &c, mk_tile, nthreads);
 }
 
 /* bf16 weights packed by hs_pack_bf16; bias [out] fp32 or NULL. Returns 0, or -1 when out of memory. */

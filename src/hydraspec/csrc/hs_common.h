@@ -151,4 +151,41 @@ static int run_int8(const uint16_t* xb, int64_t n, int64_t nb, int offset, const
     free_int8_rows(&q);
     return 0;
 }
+
+/* One bf16 / int8-weight call with fp32 activations: packed weights wp ([ceil(out/32)][in][32], element size
+   esize), per-output scale (int8) or NULL, output y [n, out], bias or NULL, and the build's kernel table */
+typedef struct {
+    int64_t in, out;
+    const void* wp;
+    size_t esize;
+    const float* scale;
+    uint16_t* y;
+    const float* bias;
+    const void* kern;
+} f32_call;
+
+/* rows j0 .. j0+nr-1 (xt: their fp32 row block, [in][nr]) times the weight block wb (outputs o0 .. o0+width-1) */
+typedef void (*f32_tile)(const f32_call* c, const float* xt, const char* wb, int64_t j0, int64_t nr, int64_t o0,
+                         int64_t width);
+
+/* The fp32-activation driver of both builds: widen and transpose the rows into row blocks of nb
+   (transpose_rows), then run `tile` for every 32-output weight block and row block, the weight blocks split
+   over the threads. 0, or -1 when out of memory. */
+static int run_f32(const uint16_t* xb, int64_t n, int64_t nb, const f32_call* c, f32_tile tile, int nthreads) {
+    int64_t in = c->in, nrb = (n + nb - 1) / nb, nblk = (c->out + OB - 1) / OB;
+    float* xt = (float*)malloc((size_t)(nrb * nb * in) * sizeof(float));
+    if (!xt) return -1;
+    transpose_rows(xb, n, in, nb, xt);
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t o0 = b * OB, width = c->out - o0 < OB ? c->out - o0 : OB;
+        const char* wb = (const char*)c->wp + (size_t)(b * in * OB) * c->esize;
+        for (int64_t r = 0; r < nrb; r++) {
+            int64_t j0 = r * nb;
+            tile(c, xt + r * nb * in, wb, j0, n - j0 < nb ? n - j0 : nb, o0, width);
+        }
+    }
+    free(xt);
+    return 0;
+}
 #endif
