@@ -319,20 +319,7 @@ static void g##B##M##_##GC##_##N(const gguf_call* c, const gguf_rows* q, int64_t
     const int64_t in4 = c->in / 4, g4 = GC ? GC : c->G / 4, ng = c->in / c->G, o0 = b * OB; \
     const int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
     const int64_t R = B == 4 ? 8 : B == 6 ? 2 : 1; /* steps summed in int16 before widening */ \
-    const int32_t* xq = q->xq + j0 * in4; \
-    const float* sx = q->sx + j0 * ng; \
-    const int32_t* xs = q->xs + j0 * ng; \
-    const float* mxs = q->mxs + j0 * ng; \
-    const uint8_t* wb = c->wq + (size_t)(b * in4 * (B == 8 ? 128 : 64)); \
-    const uint8_t* hb = B == 6 ? c->wh + (size_t)(b * in4 * 32) : NULL; \
-    const int two = c->sc == NULL; /* K-quants: d * sub-scale */ \
-    const int64_t nsb = two ? ng / c->per_d : 0; \
-    const float* sb = two ? NULL : c->sc + (size_t)(b * ng * OB); \
-    const float* mb = M && !two ? c->mn + (size_t)(b * ng * OB) : NULL; \
-    const int8_t* ssb = two ? c->ssc + (size_t)(b * ng * OB) : NULL; \
-    const int8_t* smb = M && two ? c->smn + (size_t)(b * ng * OB) : NULL; \
-    const float* db = two ? c->d + (size_t)(b * nsb * OB) : NULL; \
-    const float* dmb = M && two ? c->dmin + (size_t)(b * nsb * OB) : NULL; \
+    GGUF_BLOCK_PTRS(B, M) \
     const __m256i ones = _mm256_set1_epi16(1); \
     float acc[N][OB]; \
     memset(acc, 0, sizeof(acc)); \

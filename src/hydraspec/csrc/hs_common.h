@@ -188,4 +188,22 @@ static int run_f32(const uint16_t* xb, int64_t n, int64_t nb, const f32_call* c,
     free(xt);
     return 0;
 }
+
+/* The GGUF kernels of both builds (hs_gguf.h: gguf_call c, gguf_rows q): row j0's activation codes, scales and
+   group sums, and weight block b's codes and scales, for B bits and M the min form; in4, ng, b, j0 in scope */
+#define GGUF_BLOCK_PTRS(B, M) \
+    const int32_t* xq = q->xq + j0 * in4; \
+    const float* sx = q->sx + j0 * ng; \
+    const int32_t* xs = q->xs + j0 * ng; \
+    const float* mxs = q->mxs + j0 * ng; \
+    const uint8_t* wb = c->wq + (size_t)(b * in4 * (B == 8 ? 128 : 64)); \
+    const uint8_t* hb = B == 6 ? c->wh + (size_t)(b * in4 * 32) : NULL; \
+    const int two = c->sc == NULL; /* K-quants: d * sub-scale */ \
+    const int64_t nsb = two ? ng / c->per_d : 0; \
+    const float* sb = two ? NULL : c->sc + (size_t)(b * ng * OB); \
+    const float* mb = M && !two ? c->mn + (size_t)(b * ng * OB) : NULL; \
+    const int8_t* ssb = two ? c->ssc + (size_t)(b * ng * OB) : NULL; \
+    const int8_t* smb = M && two ? c->smn + (size_t)(b * ng * OB) : NULL; \
+    const float* db = two ? c->d + (size_t)(b * nsb * OB) : NULL; \
+    const float* dmb = M && two ? c->dmin + (size_t)(b * nsb * OB) : NULL;
 #endif
