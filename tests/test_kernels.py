@@ -292,3 +292,21 @@ def test_w4a8_draft_refused_without_an_int8_dot_kernel(monkeypatch):
     assert not any(isinstance(m, (kernels.W4A8Linear, kernels.W8A8Linear)) for m in draft.modules())
     quantize_draft(draft, "int8")  # int8 weights need no int8 dot products
     assert isinstance(draft.lm_head, kernels.Int8Linear)
+
+
+def test_w4a8_built_chunk_by_chunk_equals_built_whole(monkeypatch):
+    """Re-quantising a weight a chunk of rows at a time (so no dense copy of a large weight is made) gives the
+    same codes and scales as one pass over all rows, for a plain Linear and for a GGUF weight."""
+    import hydraspec.kernels as k
+    from hydraspec.gguf_weights import GGUFLinear, decode
+    from test_gguf import random_tensor
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(128, 200)
+    gguf = GGUFLinear(decode("Q4_K", random_tensor("Q4_K", 200, 256), 200, 256))
+    for lin in (plain, gguf):
+        whole = k.W4A8Linear(lin, 32)
+        monkeypatch.setattr(k, "_CHUNK_ROWS", 64)
+        chunked = k.W4A8Linear(lin, 32)
+        monkeypatch.setattr(k, "_CHUNK_ROWS", 2048)
+        assert torch.equal(whole.qweight, chunked.qweight) and torch.equal(whole.scale, chunked.scale)

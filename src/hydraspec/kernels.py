@@ -448,6 +448,17 @@ class W8A8Linear(nn.Module):
 W4_GROUPS = (64, 32)  # inputs per 4-bit scale: the first that divides a layer's input size
 
 
+_CHUNK_ROWS = 2048  # rows of a weight re-quantised at a time
+
+
+def _weight_rows(lin: nn.Module, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of ``lin``'s weight as ``lin.weight`` gives them (a GGUF weight: its own rows only)."""
+    if getattr(lin, "requantizable", False):  # a GGUF weight: dequantize these rows, rounded as its .weight rounds
+        rows = torch.arange(r0, min(r1, lin.out_features))
+        return lin.dequantized(rows).to(torch.bfloat16)
+    return lin.weight.detach()[r0:r1]
+
+
 class W4A8Linear(nn.Module):
     """4-bit weights (symmetric, one fp32 scale per output and group of `group` inputs) times activations
     quantised to int8 per row, with integer dot products (AVX512_VNNI or AVX2): half the weight bytes of int8 and
@@ -460,15 +471,20 @@ class W4A8Linear(nn.Module):
         self.in_features, self.out_features, self.group = lin.in_features, lin.out_features, group
         if group % 4 or self.in_features % group:
             raise ValueError(f"4-bit groups of {group} inputs do not fit {self.in_features} inputs")
+        nblk, half = (self.out_features + PACK_BLOCK - 1) // PACK_BLOCK, PACK_BLOCK // 2
+        self.register_buffer("qweight", torch.empty(nblk, self.in_features // 4, half, 4, dtype=torch.uint8))
+        self.register_buffer("scale", torch.empty(nblk, self.in_features // group, PACK_BLOCK))
         with torch.no_grad():
-            w = nn.functional.pad(lin.weight.detach().float(), (0, 0, 0, (-self.out_features) % PACK_BLOCK))
-            g = w.view(w.shape[0], -1, group)
-            scale = (g.abs().amax(-1) / 7.0).clamp_min(1e-12)  # [out, groups]
-            q = (torch.round(g / scale[..., None]).clamp_(-8, 7) + 8).to(torch.uint8).view(w.shape)
-            qb = q.view(-1, PACK_BLOCK, self.in_features // 4, 4).permute(0, 2, 1, 3)  # [blocks, in/4, 32, 4]
-            half = PACK_BLOCK // 2
-            self.register_buffer("qweight", (qb[:, :, :half] | (qb[:, :, half:] << 4)).contiguous())
-            self.register_buffer("scale", scale.view(-1, PACK_BLOCK, scale.shape[1]).transpose(1, 2).contiguous())
+            for r0 in range(0, nblk * PACK_BLOCK, _CHUNK_ROWS):  # a chunk of rows at a time: no dense copy of it all
+                w = nn.functional.pad(_weight_rows(lin, r0, r0 + _CHUNK_ROWS).float(),
+                                      (0, 0, 0, (-min(self.out_features - r0, _CHUNK_ROWS)) % PACK_BLOCK))
+                g = w.view(w.shape[0], -1, group)
+                scale = (g.abs().amax(-1) / 7.0).clamp_min(1e-12)  # [rows, groups]
+                q = (torch.round(g / scale[..., None]).clamp_(-8, 7) + 8).to(torch.uint8).view(w.shape)
+                qb = q.view(-1, PACK_BLOCK, self.in_features // 4, 4).permute(0, 2, 1, 3)  # [blocks, in/4, 32, 4]
+                b0 = r0 // PACK_BLOCK
+                self.qweight[b0:b0 + qb.shape[0]] = qb[:, :, :half] | (qb[:, :, half:] << 4)
+                self.scale[b0:b0 + qb.shape[0]] = scale.view(-1, PACK_BLOCK, scale.shape[1]).transpose(1, 2)
             self.register_buffer("bias32", None if lin.bias is None else lin.bias.detach().float().contiguous())
 
     def int_weight(self) -> torch.Tensor:
