@@ -45,6 +45,11 @@ def drafter(method):
         return make_drafter("draft", draft_model=draft(), target_tokenizer=tokenizer(), draft_tokenizer=tokenizer())
     if method == "pld":
         return make_drafter("pld", num_tokens=6)
+    if method == "pld+hydra++":  # per-row state in both parts: the prefix-layer cache and the lookup
+        from test_batch import TREE, heads
+
+        return make_drafter("pld+hydra++", heads=heads("hydra++"), embed=target().get_input_embeddings(), tree=TREE,
+                            pld_tokens=5, pld_min_ngram=1)
     return make_drafter("ar")
 
 
@@ -89,7 +94,7 @@ def chat(c, text, max_tokens, **kw):
     return r
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "draft"])
+@pytest.mark.parametrize("method", ["ar", "pld", "draft", "pld+hydra++"])
 def test_chat_equals_generate_and_stream_concatenates(method):
     with server(method) as (base, _):
         c = client(base)
@@ -109,10 +114,11 @@ def test_chat_equals_generate_and_stream_concatenates(method):
         assert comp.choices[0].text == plain.text
 
 
-def test_concurrent_requests_equal_their_single_answers():
+@pytest.mark.parametrize("method", ["pld", "pld+hydra++"])
+def test_concurrent_requests_equal_their_single_answers(method):
     lengths = [3, 40, 7, 60, 12, 25, 5, 50]
-    want = [single("pld", p, n) for p, n in zip(PROMPTS, lengths)]
-    with server("pld", max_batch=4) as (base, worker):
+    want = [single(method, p, n) for p, n in zip(PROMPTS, lengths)]
+    with server(method, max_batch=4) as (base, worker):
         rows_seen = []
         step = worker.engine.step
 
@@ -254,3 +260,35 @@ def test_bench_serve_measures_a_real_server(tmp_path):
     assert r["requests"] == 4 and r["tokens"] == 48  # no EOS in the tiny model: every answer is 12 tokens
     assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["itl_p50_ms"] > 0
     assert "| 2 | 4 | 48 |" in table([r], "x")
+
+
+def test_shutdown_mid_request_is_an_error_not_a_finished_answer():
+    """Rows cancelled by a shutdown end with an OpenAI-style error (503, code "cancelled"; an error event in a
+    stream), never with finish_reason "stop" as if the answer were complete."""
+    with server("pld", max_batch=4, max_context=480) as (base, worker):
+        step = worker.engine.step
+
+        def slow_step():  # a step long enough for the shutdown to land mid-answer
+            time.sleep(0.05)
+            return step()
+        worker.engine.step = slow_step
+        c = client(base)
+        plain_error = []
+
+        def plain():
+            try:
+                chat(c, PROMPTS[1], 400)
+            except openai.APIStatusError as exc:
+                plain_error.append((exc.status_code, exc.body))
+        t = threading.Thread(target=plain)
+        t.start()
+        s = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[3]}],
+                                      temperature=0, max_tokens=400, stream=True)
+        chunks = iter(s)
+        next(chunks), next(chunks)  # the answer has begun
+        threading.Thread(target=worker.stop).start()
+        with pytest.raises(openai.APIError, match="cancelled"):
+            for ch in chunks:
+                assert not ch.choices or ch.choices[0].finish_reason is None
+        t.join(60)
+        assert plain_error and plain_error[0][0] == 503 and plain_error[0][1]["code"] == "cancelled"

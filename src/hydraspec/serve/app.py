@@ -222,6 +222,9 @@ def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, st
                     finished = True
                     if payload is None:
                         raise ApiError(500, "the engine refused the request", kind="server_error")
+                    if payload.finish_reason == "cancelled":  # shutting down, or a failed step: not an answer
+                        raise ApiError(503, "the server cancelled this request before it finished (it is shutting "
+                                            "down or a decoding step failed)", kind="server_error", code="cancelled")
                     m_prompt.inc(len(payload.prompt_ids))
                     m_gen.inc(len(payload.token_ids))
                     yield kind, payload
@@ -320,9 +323,11 @@ def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, st
                                        "created": created, "model": config.model_name, "choices": [],
                                        "usage": usage(payload)})
                         break
-                yield "data: [DONE]\n\n"
+            except ApiError as exc:  # after the stream began: an error event, as OpenAI-style servers send
+                yield sse(error_body(exc.message, exc.kind, exc.param, exc.code))
             finally:
                 await events.aclose()
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
