@@ -14,7 +14,8 @@ import torch
 
 from hydraspec import kernels
 from hydraspec.cache import new_cache
-from hydraspec.models import DRAFT_QUANT, load_model, quantize_draft
+from hydraspec.models import load_model
+from hydraspec.quantize import DRAFT_QUANT, quantize_draft
 from hydraspec.verify import forward_nodes
 
 p = argparse.ArgumentParser()

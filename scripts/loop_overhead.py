@@ -18,6 +18,7 @@ old_path, name, quant, method = sys.argv[1:5]
 repeats = int(sys.argv[5]) if len(sys.argv) > 5 else 4
 spec = importlib.util.spec_from_file_location("oldgen", old_path)
 oldgen = importlib.util.module_from_spec(spec)
+sys.modules["oldgen"] = oldgen  # dataclasses look their module up
 spec.loader.exec_module(oldgen)
 torch.set_num_threads(2)
 model, tok = load_model(name, quant=quant, progress=False)

@@ -10,7 +10,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from hydraspec.models import DRAFT_QUANT, load_model, quantize_draft
+from hydraspec.models import load_model
+from hydraspec.quantize import DRAFT_QUANT, quantize_draft
 
 p = argparse.ArgumentParser()
 p.add_argument("model")

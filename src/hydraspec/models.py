@@ -41,7 +41,6 @@ from typing import Any, Iterator
 
 from hydraspec.errors import HydraspecError
 from hydraspec.home import hydraspec_home
-from hydraspec.quantize import DRAFT_QUANT  # noqa: F401  (scripts/ still import it from here)
 from hydraspec.quantize import auto_draft_quant, quantize_draft
 
 __all__ = [
@@ -749,9 +748,6 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
             getattr(model.generation_config, "eos_token_id", None))) + list(tok.added_tokens_decoder))
     if requant:
         quantize_draft(model, quant)
-        from .kernels import release_free_memory
-
-        release_free_memory()
     return model, tok
 
 

@@ -35,10 +35,11 @@ def quantize_draft(model, how: str | None):
         raise HydraspecError(f"unknown draft quantisation '{how}' (known: {', '.join(DRAFT_QUANT)})")
     if next(model.parameters()).device.type != "cpu":
         raise HydraspecError(f"--draft-quant {how} runs on the CPU kernel only; drop it for GPU drafters")
-    from .kernels import int8_dot_lib, quantize_int8, quantize_w4a8, quantize_w8a8
+    from .kernels import int8_dot_lib, quantize_int8, quantize_w4a8, quantize_w8a8, release_free_memory
 
     if how in ("w8a8", "w4a8") and int8_dot_lib() is None:
         raise HydraspecError(f"--draft-quant {how} needs the native CPU kernel (AVX2 or AVX512_VNNI and a C "
                              "compiler); use int8")
     {"int8": quantize_int8, "w8a8": quantize_w8a8, "w4a8": quantize_w4a8}[how](model)
+    release_free_memory()  # the replaced weights' pages
     return model
