@@ -7,7 +7,7 @@ import torch
 import tiny
 from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
 from hydraspec.drafters.heads import HeadDrafter
-from hydraspec.heads import HydraHeads, MedusaHeads, build_heads, load_heads, save_heads
+from hydraspec.heads import build_heads, load_heads, save_heads
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 

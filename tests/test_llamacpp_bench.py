@@ -2,10 +2,6 @@
 split, and (where llama.cpp's server is built and SmolLM2 is pulled) a real server answering token ids."""
 from __future__ import annotations
 
-import argparse
-import os
-from pathlib import Path
-
 import pytest
 
 from hydraspec import HydraspecError

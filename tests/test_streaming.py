@@ -1,7 +1,6 @@
 """Streaming and stop strings on a tiny model."""
 import threading
 
-import torch
 from transformers import TextIteratorStreamer
 
 import tiny

@@ -157,7 +157,6 @@ def decode(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantWeight
         raise HydraspecError(f"GGUF {type_name} tensor with {cols} columns is not whole blocks of {per}")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // per, nbytes)
     codes, bits, group, scale, mn, zero, *levels = fn(blocks)
-    g = cols // group
 
     def per_row(a, dtype):
         return None if a is None else np.ascontiguousarray(a.reshape(rows, -1), dtype=dtype)
