@@ -293,3 +293,88 @@ def test_gradient_accumulation_averages_over_sequences(tok, tmp_path):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-4, msg=name)
         moved |= not torch.allclose(a.float(), c.float())
     assert moved  # the step did change the heads
+
+
+def _gloo_available() -> bool:
+    try:
+        import accelerate.commands.launch  # noqa: F401
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_gloo_available()
+
+
+@pytest.mark.skipif(not _gloo_available(), reason="needs accelerate and torch.distributed with gloo")
+def test_two_processes_train_as_one_with_the_same_global_batch(tok, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo) splits each optimizer step's 4 sequences over them
+    and sums the gradients: the same losses, held-out accuracy, base-cache use and heads as one process
+    with --grad-accum 4. 9 training sequences make steps of 4, 4 and 1 (process 1 has nothing to do in
+    the last: its gradients count as zeros); 2 held-out ones are split too."""
+    import os
+    import subprocess
+    import sys
+
+    from hydraspec.cli import main
+    from hydraspec.train.trainer import is_heldout
+
+    model = tiny.make_model("llama", seed=0)
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    questions = [(f"q{i}", [" ".join(f"w{(i * 7 + j * 3) % 90}" for j in range(5))]) for i in range(20)]
+    answer_prompts(model, tok, questions, tmp_path / "all.jsonl", max_new_tokens=12, progress=False, batch_size=4)
+    rows = load_answers(tmp_path / "all.jsonl")
+    held = [r for r in rows if is_heldout(r["id"], 0.2)][:2]
+    train = [r for r in rows if not is_heldout(r["id"], 0.2)][:9]
+    assert len(held) == 2 and len(train) == 9
+    for name in ("one", "two"):  # each run fills a base cache of its own
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train + held))
+
+    def argv(name):
+        return ["train-heads", "--model", str(tmp_path / "base"), "--dtype", "float32", "--device", "cpu",
+                "--kind", "hydra", "--num-heads", "2", "--epochs", "2", "--lr", "1e-2", "--grad-accum", "4",
+                "--heldout", "0.2", "--train-dtype", "float32", "--data", str(tmp_path / name / "answers.jsonl"),
+                "--out", str(tmp_path / name / "heads")]
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv("one")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # --multi_gpu is accelerate's torchrun launcher (one process each); on CPUs the processes use gloo
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    p = subprocess.run(launch + ["-m", "hydraspec.cli"] + argv("two"), env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert p.stdout.count("head 0: held-out top-1") == 1  # only the main process reports
+
+    logs = {name: [json.loads(x) for x in (tmp_path / name / "heads" / "train_log.jsonl").read_text().splitlines()]
+            for name in ("one", "two")}
+    assert [e["processes"] for e in logs["one"]] == [1, 1] and [e["processes"] for e in logs["two"]] == [2, 2]
+    for one, two in zip(logs["one"], logs["two"], strict=True):
+        assert len(one["step_losses"]) == len(two["step_losses"]) == 3
+        assert two["step_losses"] == pytest.approx(one["step_losses"], rel=1e-4)
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
+        for a, b in zip(one["heads"], two["heads"], strict=True):
+            assert a["n"] == b["n"] > 0
+            assert (b["top1"], b["top5"]) == pytest.approx((a["top1"], a["top5"]))
+        # every sequence's base states were computed once, by one of the processes, and then read by either
+        assert one["base_cache"] == two["base_cache"] and one["base_cache"]["computed"] == 11
+    assert logs["one"][1]["step_losses"][-1] < logs["one"][0]["step_losses"][0]
+    cache = tmp_path / "two" / "answers.base_cache"
+    assert len(list(cache.glob("*.pt"))) == 11 and not list(cache.glob("*.tmp"))
+
+    h1, cfg1 = load_heads(tmp_path / "one" / "heads", model)
+    h2, cfg2 = load_heads(tmp_path / "two" / "heads", model)
+    assert cfg1 == cfg2
+    fresh = build_heads("hydra", model, num_heads=2)
+    moved = False
+    for (name, a), b, c in zip(h1.state_dict().items(), h2.state_dict().values(), fresh.state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=name)
+        moved |= "blocks" in name and not torch.allclose(a, c)
+    assert moved  # the zero-initialised residual blocks did train
+    state1 = torch.load(tmp_path / "one" / "heads" / "train_state.pt", weights_only=False)
+    state2 = torch.load(tmp_path / "two" / "heads" / "train_state.pt", weights_only=False)
+    assert state1["epoch"] == state2["epoch"] == 2 and state1["sched"] == state2["sched"]

@@ -276,12 +276,24 @@ def cmd_train_heads(args) -> int:
 
         pairs += module_prompts(limit=args.docstring_prompts)
     torch.set_num_threads(thread_count())
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    state = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under accelerate launch / torchrun: set up the processes
+        from datetime import timedelta
+
+        from accelerate import PartialState
+
+        from .models import resolve_device
+
+        # (before the model loads, so that a GPU process takes its own GPU; a long timeout, as the other
+        # processes wait while the main one generates the data)
+        state = PartialState(cpu=resolve_device(args.device) == "cpu", timeout=timedelta(hours=24))
+    is_main = state is None or state.is_main_process  # only the main process generates data and reports
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant, progress=is_main)
     out = args.out
     data = args.data or os.path.join(out, "answers.jsonl")
-    if reuse:
+    if is_main and reuse:
         print(f"self-distillation data: the answers already in {data} (no new prompts)", file=sys.stderr)
-    else:
+    elif is_main:
         print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts or ['-'])}"
               f" + {len(pairs) - len(questions)} docstring prompts -> {data}", file=sys.stderr)
     if args.batch_size < 1:
@@ -290,12 +302,16 @@ def cmd_train_heads(args) -> int:
     from .train.trainer import BaseOutputs
 
     cache_bytes = int(args.cache_gb * (1 << 30))
-    answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                   method=args.data_method,
-                   base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
+    if is_main:  # the other processes wait for the data
+        answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                       method=args.data_method,
+                       base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
+    if state is not None:
+        state.wait_for_everyone()
     t_data = time.perf_counter() - t0
     if args.data_only:
-        print(f"data generation {t_data / 60:.1f} min; answers in {data}", file=sys.stderr)
+        if is_main:
+            print(f"data generation {t_data / 60:.1f} min; answers in {data}", file=sys.stderr)
         return 0
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
@@ -319,6 +335,8 @@ def cmd_train_heads(args) -> int:
                       cache_bytes=cache_bytes, joint=args.joint,
                       warmup_epochs=args.warmup_epochs, lm_weight=args.lm_weight, base_lr=args.base_lr,
                       train_dtype=args.train_dtype, accum=args.grad_accum)
+    if not is_main:  # the main process saved everything and reports
+        return 0
     if args.joint:
         tok.save_pretrained(os.path.join(out, "base"))
     print(f"data generation {t_data / 60:.1f} min, training {(time.perf_counter() - t0 - t_data) / 60:.1f} min",
@@ -488,7 +506,10 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-layers", type=int, default=1)
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine to a tenth)")
-    t.add_argument("--grad-accum", type=int, default=4, metavar="N", help="sequences per optimizer step (default 4)")
+    t.add_argument("--grad-accum", type=int, default=4, metavar="N",
+                   help="sequences per optimizer step (default 4); the global batch: under accelerate launch "
+                        "(--multi_gpu --num_processes P ... -m hydraspec.cli train-heads --device cpu on CPUs) "
+                        "each step's N sequences are split over the P processes")
     t.add_argument("--train-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="heads' matmuls under bf16 autocast (auto: where the CPU/GPU computes bf16 natively)")
     t.add_argument("--draft-vocab", type=int, default=0, metavar="N",
