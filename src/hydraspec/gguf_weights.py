@@ -11,7 +11,7 @@ float32 as gguf-py computes them, so :meth:`QuantWeight.dequantize` equals ``ggu
 Codes are kept at 4 bits (two a byte: Q4_K, Q4_1, Q4_0), 6 bits (four bits two a byte plus the top two
 four a byte: Q6_K and the 5-bit types) or 8 bits (Q8_0).
 
-:class:`GGUFLinear` multiplies with the native kernel (``hs_linear_gguf``: int8 activations per row and group
+:class:`GGUFLinear` multiplies with the native kernel (``hs_gguf_apply``: int8 activations per row and group
 of G, as llama.cpp quantises them per block, exact integer sums per group). Without it, the same
 arithmetic runs in torch: integer sums in float32 (exact: a group's sum stays below 2^24), groups added in
 order. Either way a row's output depends on that row alone, so a verify step over many tokens computes
@@ -374,7 +374,7 @@ class GGUFLinear(nn.Module):
         """The address of this weight's fields as the native kernel reads them (hs_gguf.h's gguf_call), built
         once and rebuilt whenever the buffers have moved."""
         b = self._buffers
-        key = tuple(None if t is None else t.data_ptr() for t in b.values())
+        key = (b["qweight"].data_ptr(), None if b["bias32"] is None else b["bias32"].data_ptr())  # moved or re-biased
         if getattr(self, "_call_key", None) != key:
             ptr = {n: (None if t is None else t.data_ptr()) for n, t in b.items()}
             self._call = _GGUFCall(self.in_features, self.out_features, self.group, self.bits, self.zero, self.per_d,

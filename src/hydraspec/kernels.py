@@ -150,13 +150,7 @@ def build_native(isa: str):
                                  i64p, ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 7 + \
                                 [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.hs_attention.restype = ctypes.c_int
-    lib.has_gguf = hasattr(lib, "hs_linear_gguf")
-    if lib.has_gguf:
-        lib.hs_linear_gguf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 8 + \
-                                      [ctypes.c_int64] * 5 + \
-                                      [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib.hs_linear_gguf.restype = ctypes.c_int
-    if hasattr(lib, "hs_gguf_apply"):  # the same call with the weight's fields in one struct (gguf_weights)
+    if hasattr(lib, "hs_gguf_apply"):  # GGUF weights (gguf_weights): the weight's fields in one struct
         lib.hs_gguf_apply.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.hs_gguf_apply.restype = ctypes.c_int
         lib.hs_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]

@@ -333,11 +333,5 @@ static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0
     t[nr](c, q, b, j0);
 }
 
-/* x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16. 0, or -1 when out of memory. */
-int hs_linear_gguf(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq, const uint8_t* wh, const float* sc,
-                   const float* mn, const float* d, const int8_t* ssc, const float* dmin, const int8_t* smn, int64_t per_d,
-                   int64_t zero, int64_t G, int64_t bits, int64_t out, uint16_t* y, const float* bias, int nthreads) {
-    gguf_call c = {in, out, G, bits, zero, per_d, wq, wh, sc, mn, d, ssc, dmin, smn, y, bias};
-    return run_gguf(xb, n, NBG, &c, g_tile, nthreads);
-}
+/* hs_gguf_apply: x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16 */
 GGUF_ENTRIES(NBG, g_tile)
