@@ -106,8 +106,9 @@ def test_joined_siblings_compute_what_each_weight_computes(native, monkeypatch):
     assert attn.q_proj.shared._x is None  # nothing held once every part has taken its columns
 
 
-def _write_tiny_llama(path, types):
-    """A one-layer llama GGUF (hidden 256, 4 heads, 2 kv heads) with random weights of the given types."""
+def _write_tiny_llama(path, types, output: str | None = None):
+    """A one-layer llama GGUF (hidden 256, 4 heads, 2 kv heads) with random weights of the given types;
+    ``output``: the type of an output tensor of its own (default: tied to the embeddings)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(128)
@@ -122,8 +123,10 @@ def _write_tiny_llama(path, types):
               "blk.0.attn_v.weight": (128, 256), "blk.0.attn_output.weight": (256, 256),
               "blk.0.ffn_gate.weight": (512, 256), "blk.0.ffn_up.weight": (512, 256),
               "blk.0.ffn_down.weight": (256, 512)}
+    if output:
+        shapes["output.weight"] = (64, 256)
     for i, (name, (rows, cols)) in enumerate(shapes.items()):
-        t = types[i % len(types)]
+        t = output if name == "output.weight" else types[i % len(types)]
         w.add_tensor(name, random_tensor(t, rows, cols, seed=i),
                      raw_dtype=gguf.GGMLQuantizationType[t])
     rng = np.random.default_rng(9)
@@ -164,6 +167,48 @@ def test_loader_maps_every_tensor_as_transformers_does(tmp_path):
         out = model(ids[:, :3], use_cache=True)
         last = model(ids[:, 3:], past_key_values=out.past_key_values).logits
     assert torch.allclose(full[:, 3], last[:, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("output", [None, "Q8_0", "Q6_K"])
+def test_draft_vocabulary_cut_at_load_equals_the_cut_after_it(tmp_path, output):
+    """Reading only the kept rows of the output tensor (or cutting a tied one) gives the layer that cutting
+    the whole loaded model gives: same codes, same logits, -inf outside the cut."""
+    from transformers import LlamaConfig
+
+    from hydraspec.draft_vocab import DraftVocabHead, kept_ids, trim_draft_vocab
+    from hydraspec.gguf_weights import build_model
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q8_0"], output=output)
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=output is None)
+    whole = build_model(path, config, torch.bfloat16, "eager", progress=False)
+    assert trim_draft_vocab(whole, 20, [40, 63]) == 22
+    keep = kept_ids(20, 64, [40, 63])
+    cut = build_model(path, config, torch.bfloat16, "eager", progress=False, output_rows=keep)
+    head = cut.get_output_embeddings()
+    assert isinstance(head, DraftVocabHead) and head.sub.out_features == 22 and torch.equal(head.keep, keep)
+    assert torch.equal(head.sub.dequantized(), whole.get_output_embeddings().sub.dequantized())
+    assert cut.model.embed_tokens.num_embeddings == 64  # every id can still be read
+    ids = torch.tensor([[1, 5, 40, 33]])
+    with torch.no_grad():
+        a, b = cut(ids).logits, whole(ids).logits
+    assert torch.equal(a, b) and torch.isinf(a[..., 20:40]).all() and torch.isfinite(a[..., 40]).all()
+
+
+def test_draft_shares_the_target_tokenizer_only_when_its_files_are_the_same(tmp_path):
+    from hydraspec.models import same_tokenizer
+
+    a, b, c = (tmp_path / n for n in "abc")
+    for d in (a, b, c):
+        d.mkdir()
+        (d / "tokenizer.json").write_text('{"model": {"vocab": {"x": 0}}}')
+        (d / "tokenizer_config.json").write_text("{}")
+    (b / "chat_template.jinja").write_text("{{ messages }}")  # a template of its own: tokens unchanged
+    (c / "tokenizer_config.json").write_text('{"eos_token": "x"}')
+    assert same_tokenizer(a, b) and same_tokenizer(a, a)
+    assert not same_tokenizer(a, c) and not same_tokenizer(a, tmp_path / "missing")
 
 
 def test_without_a_compiler_everything_runs_on_torch(tmp_path):

@@ -94,7 +94,8 @@ def test_cheaper_draft_of_a_gguf_model_changes_nothing_but_speed_on_smollm2():
         pytest.skip("needs the native GGUF kernel")
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m-instruct", quant="gguf", device="cpu", auto_pull=True)
-    draft, _ = load_draft_model("smollm2-135m-instruct", "bfloat16", "cpu", "w4a8", vocab=4096)
+    draft, dtok = load_draft_model("smollm2-135m-instruct", "bfloat16", "cpu", "w4a8", vocab=4096, tokenizer=tok)
+    assert dtok is tok  # the same tokenizer files: one copy
     head = draft.get_output_embeddings()
     assert isinstance(head, DraftVocabHead) and isinstance(head.sub, W4A8Linear)
     assert isinstance(draft.model.layers[0].mlp.down_proj, W4A8Linear)

@@ -154,7 +154,7 @@ def cmd_generate_batch(args) -> int:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None)) \
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
@@ -215,7 +215,7 @@ def cmd_generate(args) -> int:
     torch.set_num_threads(thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
-                             vocab=getattr(args, "draft_vocab", None)) \
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
@@ -385,7 +385,7 @@ def cmd_build_tree(args) -> int:
         from .models import load_draft_model
 
         draft, dtok = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
-                                       vocab=getattr(args, "draft_vocab", None))
+                                       vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
         check_vocab(tok, dtok)
     gen = SpeculativeGenerator(model, tok)
     names = [f"{q.source}:{q.question_id}" for q in questions]
@@ -436,7 +436,7 @@ def cmd_serve(args) -> int:
     torch.set_num_threads(args.threads or thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None)) if args.method == "draft" else None
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method == "draft" else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,

@@ -55,15 +55,20 @@ def _rows(head: nn.Module, keep: torch.Tensor) -> nn.Module:
     raise HydraspecError(f"cannot cut the draft vocabulary of a {type(head).__name__} output layer")
 
 
+def cut_output(model, keep: torch.Tensor) -> None:
+    """Replace ``model``'s output layer by a :class:`DraftVocabHead` over the ids ``keep`` (its rows only)."""
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(DraftVocabHead(_rows(head, keep), keep, head.out_features))
+
+
 def trim_draft_vocab(model, size: int, special_ids) -> int:
     """Replace ``model``'s output layer by a :class:`DraftVocabHead` over :func:`kept_ids`; returns how
     many ids it keeps (the whole vocabulary: nothing changed)."""
-    head = model.get_output_embeddings()
-    vocab = head.out_features
+    vocab = model.get_output_embeddings().out_features
     if size < 1:
         raise HydraspecError(f"--draft-vocab must be at least 1, got {size}")
     keep = kept_ids(size, vocab, special_ids)
     if len(keep) >= vocab:
         return vocab
-    model.set_output_embeddings(DraftVocabHead(_rows(head, keep), keep, vocab))
+    cut_output(model, keep)
     return len(keep)

