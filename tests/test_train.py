@@ -378,3 +378,53 @@ def test_two_processes_train_as_one_with_the_same_global_batch(tok, tmp_path):
     state1 = torch.load(tmp_path / "one" / "heads" / "train_state.pt", weights_only=False)
     state2 = torch.load(tmp_path / "two" / "heads" / "train_state.pt", weights_only=False)
     assert state1["epoch"] == state2["epoch"] == 2 and state1["sched"] == state2["sched"]
+
+
+def test_text_rows_sample_every_file_within_the_budget(tok, tmp_path):
+    from hydraspec.train.text_data import write_text_rows
+
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    for i in range(6):
+        (src / "pkg" / f"m{i}.py").write_text(" ".join(f"w{(i * 11 + j) % 90}" for j in range(400)))
+    (src / "skip.bin").write_text("not text")
+    n = write_text_rows(tok, [src], tmp_path / "t.jsonl", max_tokens=1000, seq_len=64, progress=False)
+    rows = load_answers(tmp_path / "t.jsonl")
+    assert n == 1000 == sum(len(r["answer_ids"]) for r in rows)
+    assert all(r["prompt_ids"] == [] and 0 < len(r["answer_ids"]) <= 64 for r in rows)
+    assert len({r["id"] for r in rows}) == len(rows)
+    again = write_text_rows(tok, [src], tmp_path / "u.jsonl", max_tokens=1000, seq_len=64, progress=False)
+    assert again == n and load_answers(tmp_path / "u.jsonl") == rows  # a fixed order
+    with pytest.raises(Exception, match="no such file"):
+        write_text_rows(tok, [tmp_path / "missing"], tmp_path / "v.jsonl", 1000, progress=False)
+
+
+def test_train_heads_on_text_alone_distils_the_base(tok, tmp_path):
+    """`train-heads --text DIR` with no prompts: rows read at prefill speed, the base's own distributions as
+    targets (the loss falls), no answer decoded, and greedy output with the heads stays plain decoding's."""
+    from hydraspec.cli import main
+
+    model = tiny.make_model("llama", seed=0)
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"doc{i}.md").write_text(" ".join(f"w{(i * 7 + j * 3) % 90}" for j in range(600)))
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train-heads", "--model", str(tmp_path / "base"), "--dtype", "float32", "--device", "cpu",
+                     "--kind", "medusa", "--num-heads", "2", "--epochs", "3", "--lr", "1e-2", "--text", str(src),
+                     "--text-tokens", "3000", "--train-dtype", "float32", "--out", str(tmp_path / "h")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    log = [json.loads(x) for x in (tmp_path / "h" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["train_seqs"] > 0 and log[-1]["step_losses"][-1] < log[0]["step_losses"][0]
+    heads, cfg = load_heads(tmp_path / "h", model)
+    assert cfg["kind_detail"]["distill"] is True and cfg["train_text"]["tokens"] == 3000
+    assert not (tmp_path / "h" / "answers.jsonl").exists()  # no decoding at all
+    prompt = "w1 w2 w3 w4"
+    ref = SpeculativeGenerator(model, tok).generate(prompt, max_new_tokens=24)
+    drafter = make_drafter("medusa", heads=heads, embed=model.get_input_embeddings(), tree=cfg["default_tree"])
+    res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=24)
+    assert res.token_ids == ref.token_ids

@@ -264,9 +264,12 @@ def cmd_train_heads(args) -> int:
     if args.cache_gb < 0:
         raise HydraspecError("--cache-gb must be 0 or more")
     reuse = not args.prompts and not args.docstring_prompts  # train on an existing answers file as it is
-    if reuse and not (args.data and os.path.exists(args.data)):
-        raise HydraspecError("give --prompts FILE... and/or --docstring-prompts N (or --data with an existing "
-                             "answers file to train on as it is)")
+    text_only = reuse and bool(args.text) and not (args.data and os.path.exists(args.data))
+    if reuse and not text_only and not (args.data and os.path.exists(args.data)):
+        raise HydraspecError("give --prompts FILE... and/or --docstring-prompts N, or --text PATH... (or --data "
+                             "with an existing answers file to train on as it is)")
+    if args.text_tokens < 512:
+        raise HydraspecError("--text-tokens must be at least 512")
     if reuse and args.data_only:
         raise HydraspecError("--data-only needs prompts to answer")
     questions = load_questions(args.prompts, limit=args.limit, skip=args.skip) if args.prompts else []
@@ -291,7 +294,9 @@ def cmd_train_heads(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant, progress=is_main)
     out = args.out
     data = args.data or os.path.join(out, "answers.jsonl")
-    if is_main and reuse:
+    if is_main and text_only:
+        print("self-distillation data: none (text only)", file=sys.stderr)
+    elif is_main and reuse:
         print(f"self-distillation data: the answers already in {data} (no new prompts)", file=sys.stderr)
     elif is_main:
         print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts or ['-'])}"
@@ -302,7 +307,7 @@ def cmd_train_heads(args) -> int:
     from .train.trainer import BaseOutputs
 
     cache_bytes = int(args.cache_gb * (1 << 30))
-    if is_main:  # the other processes wait for the data
+    if is_main and not text_only:  # the other processes wait for the data
         answer_prompts(model, tok, pairs, data, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                        method=args.data_method,
                        base_cache=BaseOutputs.for_data(model, data, cache_bytes, base_name=args.model))
@@ -316,7 +321,29 @@ def cmd_train_heads(args) -> int:
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
     if kind == "hydra++":
         kind, distill, layers, prefix = "hydra", True, max(layers, 4), True
-    if reuse:  # what the answers file holds, by prompt source
+    text_tokens = 0
+    if args.text:  # text read at prefill speed: the base's own distributions are the targets
+        from .train.text_data import write_text_rows
+
+        distill = True
+        text = os.path.join(out, "text.jsonl")
+        if is_main:
+            text_tokens = write_text_rows(tok, args.text, text, args.text_tokens, progress=True)
+            if text_only:
+                data = text
+            else:  # answers and text in one training file
+                mixed = os.path.join(out, "train.jsonl")
+                with open(mixed, "w") as f:
+                    for path in (data, text):
+                        f.write(open(path).read())
+                data = mixed
+        if state is not None:
+            state.wait_for_everyone()
+            data = text if text_only else os.path.join(out, "train.jsonl")
+    if text_only:
+        used = {"train_text": {"paths": [os.path.basename(str(p)) for p in args.text], "tokens": text_tokens},
+                "variant": args.kind}
+    elif reuse:  # what the answers file holds, by prompt source
         from collections import Counter
 
         from .train.data import load_answers
@@ -329,6 +356,8 @@ def cmd_train_heads(args) -> int:
                                   "skip_per_category": args.skip, "limit_per_category": args.limit,
                                   "questions": len(questions), "docstring_prompts": len(pairs) - len(questions)},
                 "variant": args.kind}
+    if args.text and not text_only:
+        used["train_text"] = {"paths": [os.path.basename(str(p)) for p in args.text], "tokens": text_tokens}
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
@@ -491,6 +520,11 @@ def make_parser() -> argparse.ArgumentParser:
                                    "(point several trainings at one file to generate the answers once)")
     t.add_argument("--docstring-prompts", type=int, default=0, metavar="N",
                    help="also N 'complete this function' prompts made from installed Python modules (code models)")
+    t.add_argument("--text", nargs="+", metavar="PATH",
+                   help="also (or only) distil on text the base reads at prefill speed: files, or directories "
+                        "walked for .py .md .rst .txt (e.g. the standard library's source); the base model's own "
+                        "next-token distributions are the targets (Hydra++'s loss) for every kind")
+    t.add_argument("--text-tokens", type=int, default=200_000, metavar="N", help="tokens of --text to read")
     t.add_argument("--out", required=True, help="directory for data, checkpoints and the training log")
     t.add_argument("--limit", type=int, help="at most N prompts of each category (after --skip)")
     t.add_argument("--skip", type=int, default=0,

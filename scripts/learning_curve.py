@@ -1,0 +1,180 @@
+"""Learning curves of draft heads: held-out tokens per verify step against training tokens, per head kind and
+data source, with the CPU time each point cost.
+
+Each point trains fresh heads (`hydraspec.train.train_heads`, the code `train-heads` runs) on the first N
+tokens of a source (rows in a fixed shuffled order), then replays greedy decoding of held-out prompts with the
+heads' default tree (`hydraspec.trees`: the accepted length at each step along the base model's own greedy
+answer, which is what greedy speculative decoding accepts) and records the mean tokens per step.
+
+    python scripts/learning_curve.py --answers answers.jsonl --text-rows text.jsonl \\
+        --points answers:medusa,hydra,hydra++:12500,25000,50000,100000 --out curve/
+    python scripts/learning_curve.py --out curve/ --plot-only
+
+Sources: `answers` (self-distilled answers: each token cost a decoding step, `--datagen-tok-s` tokens per
+second measured apart) and `text` (rows read at prefill speed, soft targets from the base: no data cost
+beyond the training's own base forward). CPU-hours = wall time x `--cores` (the run uses every core).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hydraspec.bench.prompts import load_questions
+from hydraspec.heads import DEFAULT_TREE, load_heads
+from hydraspec.models import load_model
+from hydraspec.train import train_heads
+from hydraspec.train.data import load_answers
+from hydraspec.trees.calibrate import greedy_sequences, head_ranks
+from hydraspec.trees.grow import replay_steps
+
+
+def subset(rows: list[dict], tokens: int, seed: int = 0) -> list[dict]:
+    """The first rows of a fixed shuffle of ``rows`` holding at least ``tokens`` answer tokens."""
+    order = list(rows)
+    random.Random(seed).shuffle(order)
+    out, n = [], 0
+    for r in order:
+        if n >= tokens:
+            break
+        out.append(r)
+        n += len(r["answer_ids"])
+    return out
+
+
+def eval_sequences(model, tok, prompts: list[str], limit: int, max_new: int, path: Path):
+    if path.exists():
+        return [tuple(x) for x in json.loads(path.read_text())]
+    qs = load_questions(prompts, limit=limit)
+    from hydraspec.inputs import encode_prompt
+
+    ids = [encode_prompt(tok, [{"role": "user", "content": q.turns[0]}]) for q in qs]
+    seqs = greedy_sequences(model, tok, ids, max_new)
+    path.write_text(json.dumps(seqs))
+    return seqs
+
+
+def tokens_per_step(model, heads_dir: str, seqs, tree) -> tuple[float, float]:
+    """Mean tokens per verify step replaying ``seqs`` with ``tree``, and head 0's top-1 rate on them."""
+    heads, _ = load_heads(heads_dir, model)
+    depth = max(len(p) for p in tree)
+    ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank=16)
+    tree_set = {tuple(p) for p in tree}
+    steps = toks = 0
+    for r in ranks:
+        acc = replay_steps(r, tree_set)
+        steps += len(acc)
+        toks += sum(acc) + len(acc)
+    top1 = sum(int((r[:, 0] == 0).sum()) for r in ranks) / max(1, sum(r.shape[0] for r in ranks))
+    return toks / max(1, steps), top1
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["kind"], r["source"]), []).append(r)
+    for (kind, source), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["train_tokens"])
+        style = "-o" if source == "answers" else "--s"
+        label = f"{kind}, {source}"
+        ax[0].plot([r["train_tokens"] for r in rs], [r["tokens_per_step"] for r in rs], style, label=label)
+        ax[1].plot([r["cpu_hours"] for r in rs], [r["tokens_per_step"] for r in rs], style, label=label)
+    ax[0].set_xlabel("training tokens (data tokens x epochs, log)")
+    ax[1].set_xlabel("CPU-hours (data + training, log)")
+    for a in ax:
+        a.set_xscale("log")
+        a.set_ylabel("held-out tokens per verify step")
+        a.grid(alpha=0.3)
+    ax[0].legend(fontsize=8)
+    fig.suptitle("Draft heads of SmolLM2-135M-Instruct: learning curves (greedy replay, default 7-node tree)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--answers", help="self-distilled answers (jsonl)")
+    ap.add_argument("--text-rows", help="text rows (jsonl, hydraspec.train.text_data)")
+    ap.add_argument("--points", nargs="*", default=[], metavar="SOURCE:KINDS:TOKENS",
+                    help="e.g. answers:medusa,hydra:25000,50000 (kinds: medusa, hydra, hydra++)")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--eval-prompts", nargs="+", default=[f"../shared/data/prompts/{n}.jsonl"
+                                                          for n in ("humaneval", "alpaca", "sharegpt")])
+    ap.add_argument("--eval-limit", type=int, default=5, help="held-out questions 0 .. N-1 of each category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--datagen-tok-s", type=float, default=0.0,
+                    help="measured self-distillation answer tokens per second (for the answers' data cost)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res_path = out / "results.jsonl"
+    results = [json.loads(line) for line in res_path.read_text().splitlines()] if res_path.exists() else []
+    if args.plot_only:
+        plot(results, out / "learning_curve.png")
+        return 0
+    torch.set_num_threads(args.cores)
+    train_model, _ = load_model(args.model, dtype="bfloat16", device="cpu", quant="none", progress=False)
+    eval_model, tok = load_model(args.model, dtype="float32", device="cpu", quant="none", progress=False)
+    seqs = eval_sequences(eval_model, tok, args.eval_prompts, args.eval_limit, args.max_new_tokens,
+                          out / "eval_sequences.json")
+    sources = {"answers": args.answers, "text": args.text_rows}
+    done = {(r["source"], r["kind"], r["data_tokens_asked"]) for r in results}
+    for spec in args.points:
+        source, kinds, budgets = spec.split(":")
+        rows = [r for r in load_answers(sources[source]) if r["answer_ids"]]
+        cache = Path(sources[source]).resolve().with_name(Path(sources[source]).stem + ".base_cache")
+        for budget in map(int, budgets.split(",")):
+            part = subset(rows, budget)
+            n_tok = sum(len(r["answer_ids"]) for r in part)
+            d = out / f"{source}-{budget}"
+            d.mkdir(exist_ok=True)
+            data = d / "data.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in part))
+            link = d / "data.base_cache"
+            if cache.exists() and not link.exists():
+                os.symlink(cache, link)  # the base's states, shared with the full source
+            for kind in kinds.split(","):
+                if (source, kind, budget) in done:
+                    continue
+                heads_dir = d / kind
+                distill = kind == "hydra++" or source == "text"
+                t0 = time.perf_counter()
+                train_heads(train_model, data, heads_dir, kind="hydra" if kind == "hydra++" else kind,
+                            base_name=args.model, num_layers=4 if kind == "hydra++" else 1, epochs=args.epochs,
+                            distill=distill, heldout=0.0, prefix_layer=kind == "hydra++", progress=False,
+                            draft_vocab=args.draft_vocab, cache_bytes=8 << 30, accum=4)
+                train_s = time.perf_counter() - t0
+                tps, top1 = tokens_per_step(eval_model, str(heads_dir), seqs, DEFAULT_TREE)
+                data_s = n_tok / args.datagen_tok_s if source == "answers" and args.datagen_tok_s else 0.0
+                rec = {"source": source, "kind": kind, "data_tokens_asked": budget, "data_tokens": n_tok,
+                       "rows": len(part), "epochs": args.epochs, "train_tokens": n_tok * args.epochs,
+                       "train_s": round(train_s, 1), "data_s": round(data_s, 1),
+                       "cpu_hours": round((train_s + data_s) * args.cores / 3600, 4),
+                       "tokens_per_step": round(tps, 4), "head0_top1": round(top1, 4)}
+                print(json.dumps(rec), flush=True)
+                with res_path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                results.append(rec)
+                plot(results, out / "learning_curve.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
