@@ -233,10 +233,40 @@ def test_without_a_compiler_everything_runs_on_torch(tmp_path):
         "res = SpeculativeGenerator(model, tok, make_drafter('pld')).generate('a b a b a b', max_new_tokens=12)\n"
         "assert res.token_ids == ref.token_ids\n"
         "print('ok')\n" % os.path.dirname(__file__))
-    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), HYDRASPEC_HOME=str(tmp_path / "home"))
+    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), HYDRASPEC_HOME=str(tmp_path / "home"),
+               HYDRASPEC_PREBUILT=str(tmp_path / "none"))  # installed without a compiler: no install-time build
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_install_time_build_is_used_and_needs_no_compiler_later(tmp_path):
+    """What `pip install` builds (native_build.build_all, run by setup.py) is loaded as it is, with no
+    compiler at run time; a library built from other sources (another name) is never loaded."""
+    import os
+    import subprocess
+    import sys
+
+    from hydraspec import kernels, native_build
+
+    isa = kernels.native_isa()
+    if isa is None:
+        pytest.skip("no AVX2 / AVX-512 CPU")
+    pre = tmp_path / "prebuilt"
+    if native_build.build_all(pre, say=lambda m: None) == 0:
+        pytest.skip("no C compiler")
+    name = native_build.library_name(isa)
+    assert (pre / name).exists()
+    (pre / "bf16_linear-stale.so").write_bytes(b"not a library")
+    code = ("from hydraspec import kernels\n"
+            "lib = kernels.native_lib()\n"
+            "print(lib._name)\n")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), HYDRASPEC_HOME=str(tmp_path / "home"),
+               HYDRASPEC_PREBUILT=str(pre), HYDRASPEC_NATIVE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(pre / name)
+    assert not (tmp_path / "home" / "kernels").exists()  # nothing compiled on first use
 
 
 # ---- the AVX2 build's GGUF kernel: AVX2-only CPUs (AMD Zen 2/3) and AVX-512 ones without VNNI run it ----

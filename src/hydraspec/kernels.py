@@ -15,9 +15,9 @@ speculative verification. `csrc/bf16_linear.c` packs each bf16 weight once into 
 and multiplies it with 12 fp32 activation rows at a time while reading the weight once per call (and
 `Int8Linear` does the same with int8 weights for draft models). On CPUs with AVX512_BF16 the bf16
 weights are packed in input pairs for vdpbf16ps instead, twice the arithmetic per instruction: a
-Qwen2.5-1.5B forward over 16 tokens went from ~330 to ~160 ms on a 2-core AMD EPYC. It is compiled on first use
-with the system C compiler into the hydraspec home (`kernels/`) and used when the CPU has AVX-512
-(set HYDRASPEC_NATIVE=0 to turn it off). CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, older
+Qwen2.5-1.5B forward over 16 tokens went from ~330 to ~160 ms on a 2-core AMD EPYC. `pip install` compiles it
+with the system C compiler (`prebuilt/`); without that build it is compiled on first use into the hydraspec
+home (`kernels/`). It is used when the CPU has AVX-512 (set HYDRASPEC_NATIVE=0 to turn it off). CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, older
 Intel) get `csrc/avx2_linear.c` instead: bf16 and int8 weights and the w8a8/w4a8 draft formats, in the
 same layouts and with the same sums (there oneDNN refuses to prepack bf16 weights, and torch's plain
 bf16 matmul grows with every row: a Qwen2.5-1.5B forward took 213 ms for 1 token and 2446 ms for 16 on
@@ -27,10 +27,7 @@ either instruction set everything falls back to torch, only slower.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import subprocess
-import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -39,9 +36,8 @@ import torch
 from torch import nn
 
 from .home import hydraspec_home
+from .native_build import compile_library, library_name, prebuilt_dir
 
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-shared", "-fPIC"]
-_CFLAGS_AVX2 = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 
 
 @lru_cache(maxsize=1)
@@ -97,34 +93,18 @@ def native_lib():
 
 @lru_cache(maxsize=None)
 def build_native(isa: str):
-    """Compile (once, cached on disk) and load the kernel for `isa` ('avx512' or 'avx2'), or None.
+    """Load the kernel for `isa` ('avx512' or 'avx2'): the install-time build when it matches the sources,
+    else one compiled on first use (cached on disk; :mod:`hydraspec.native_build`), or None.
     An AVX-512 CPU also runs the AVX2 build, which lets tests compare the two."""
-    src = Path(__file__).with_name("csrc") / ("bf16_linear.c" if isa == "avx512" else "avx2_linear.c")
-    if not src.exists():
+    name = library_name(isa)
+    if name is None:
         return None
-    flags = _CFLAGS if isa == "avx512" else _CFLAGS_AVX2
-    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # and the headers
-    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
-    out_dir = hydraspec_home() / "kernels"
-    so = out_dir / f"{src.stem}-{key}.so"
+    so = prebuilt_dir() / name
     if not so.exists():
-        cc = os.environ.get("CC", "cc")
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-                tmp_so = Path(tmp) / so.name
-                for extra in (["-fopenmp"], []):  # OpenMP splits the rows over cores when present
-                    res = subprocess.run([cc, *flags, *extra, str(src), "-o", str(tmp_so)],
-                                         capture_output=True, text=True)
-                    if res.returncode == 0:
-                        break
-                else:
-                    warnings.warn(f"hydraspec: could not compile the bf16 CPU kernel ({res.stderr.strip()[:200]}); "
-                                  "using oneDNN (slower verify steps in bf16)", stacklevel=2)
-                    return None
-                os.replace(tmp_so, so)  # atomic: a half-written library is never loaded
-        except (OSError, subprocess.SubprocessError) as exc:
-            warnings.warn(f"hydraspec: could not compile the bf16 CPU kernel ({exc}); using oneDNN", stacklevel=2)
+        so, err = compile_library(isa, hydraspec_home() / "kernels")
+        if so is None:
+            warnings.warn(f"hydraspec: could not compile the {isa} CPU kernel ({err}); using torch's kernels "
+                          "(slower verify steps)", stacklevel=2)
             return None
     lib = ctypes.CDLL(str(so))
     fn = lib.hs_linear_bf16
