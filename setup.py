@@ -1,5 +1,5 @@
-"""Install-time build of the native CPU kernels (src/hydraspec/csrc) with the system C compiler, where there
-is one; without it the package installs all the same (hydraspec.native_build)."""
+"""Install-time build of the native CPU kernels (src/hydraspec/cpu/csrc) with the system C compiler, where there
+is one; without it the package installs all the same (hydraspec.cpu.build)."""
 import importlib.util
 from pathlib import Path
 
@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 class BuildPyWithKernels(build_py):
     def run(self):
         super().run()
-        spec = importlib.util.spec_from_file_location("native_build", HERE / "src" / "hydraspec" / "native_build.py")
+        spec = importlib.util.spec_from_file_location("native_build", HERE / "src" / "hydraspec" / "cpu" / "build.py")
         nb = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(nb)
         editable = getattr(self, "editable_mode", False)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-import hydraspec.kernels as k
+import hydraspec.cpu.kernels as k
 if sys.argv[1] == "avx2":
     lib = k.build_native("avx2")
     k.native_lib = lambda: lib

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hydraspec import kernels
+from hydraspec.cpu import kernels
 from hydraspec.cache import new_cache
 from hydraspec.models import load_model
 from hydraspec.quantize import DRAFT_QUANT, quantize_draft

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from hydraspec.gguf_weights import GGUFLinear
+from hydraspec.cpu.gguf import GGUFLinear
 from hydraspec.models import load_model
 
 ap = argparse.ArgumentParser()

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import torch
 
-from hydraspec.gguf_weights import GGUFLinear, QuantWeight
-from hydraspec.kernels import W4A8Linear
+from hydraspec.cpu.gguf import GGUFLinear, QuantWeight
+from hydraspec.cpu.kernels import W4A8Linear
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--inp", type=int, default=1536)

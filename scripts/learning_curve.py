@@ -103,6 +103,16 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def table(results: list[dict]) -> str:
+    """The results as a markdown table, by source, kind and size."""
+    lines = ["| source | kind | data tokens | training tokens | CPU-hours (data + training) | held-out tokens per step "
+             "| head 0 top-1 |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in sorted(results, key=lambda r: (r["source"], r["kind"], r["data_tokens"])):
+        lines.append(f"| {r['source']} | {r['kind']} | {r['data_tokens']:,} | {r['train_tokens']:,} | "
+                     f"{r['cpu_hours']:.3f} | {r['tokens_per_step']:.3f} | {r['head0_top1']:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -120,7 +130,7 @@ def main() -> int:
                     help="measured self-distillation answer tokens per second (for the answers' data cost)")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot and print the table, train nothing")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,6 +138,7 @@ def main() -> int:
     results = [json.loads(line) for line in res_path.read_text().splitlines()] if res_path.exists() else []
     if args.plot_only:
         plot(results, out / "learning_curve.png")
+        print(table(results))
         return 0
     torch.set_num_threads(args.cores)
     train_model, _ = load_model(args.model, dtype="bfloat16", device="cpu", quant="none", progress=False)

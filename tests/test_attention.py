@@ -1,4 +1,4 @@
-"""hydraspec.attention.cpu_attention against transformers' sdpa attention on random inputs."""
+"""hydraspec.cpu.attention.cpu_attention against transformers' sdpa attention on random inputs."""
 from __future__ import annotations
 
 import types
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hydraspec.attention import MAX_QUERIES, cpu_attention
+from hydraspec.cpu.attention import MAX_QUERIES, cpu_attention
 
 
 def module(groups: int):

@@ -25,7 +25,7 @@ CASES = [
     ("qwen2", "sdpa", 3),
     ("mistral", "sdpa", 4),
     ("gemma", "sdpa", 5),
-    ("qwen2", "hydraspec_cpu", 6),  # hydraspec.attention, what load_model picks on the CPU
+    ("qwen2", "hydraspec_cpu", 6),  # hydraspec.cpu.attention, what load_model picks on the CPU
     ("gemma", "hydraspec_cpu", 7),
 ]
 CASE_IDS = [f"{f}-{a}" for f, a, _ in CASES]

@@ -16,8 +16,8 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from hydraspec import kernels
-from hydraspec.attention import cpu_attention
+from hydraspec.cpu import kernels
+from hydraspec.cpu.attention import cpu_attention
 
 pytestmark = pytest.mark.skipif(kernels.fused_lib() is None, reason="needs the native CPU kernel (AVX2 + a C compiler)")
 

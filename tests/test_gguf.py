@@ -6,7 +6,7 @@ import torch
 
 import gguf
 from hydraspec.errors import HydraspecError
-from hydraspec.gguf_weights import SUPPORTED, GGUFEmbedding, GGUFLinear, decode
+from hydraspec.cpu.gguf import SUPPORTED, GGUFEmbedding, GGUFLinear, decode
 
 # byte ranges of each type's fp16 fields in a block: random bytes there could be NaN or inf
 _F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2],
@@ -52,7 +52,7 @@ def test_unsupported_type_is_refused_by_name():
 def test_rows_are_independent(type_name, native, monkeypatch):
     """A row's output is the same whatever rows are computed beside it (the verify step relies on it), and
     the kernel computes what its torch reference computes."""
-    import hydraspec.gguf_weights as gw
+    import hydraspec.cpu.gguf as gw
 
     lin = GGUFLinear(decode(type_name, random_tensor(type_name, 70, 512, seed=1), 70, 512),
                      bias=torch.randn(70))
@@ -78,8 +78,8 @@ def test_rows_are_independent(type_name, native, monkeypatch):
 def test_joined_siblings_compute_what_each_weight_computes(native, monkeypatch):
     """q/k/v (or gate/up) joined into one weight give each projection exactly its own output, whatever
     the order of the calls, and a format that differs (here v at 6 bits) stays a separate weight."""
-    import hydraspec.gguf_weights as gw
-    from hydraspec.gguf_weights import can_concat
+    import hydraspec.cpu.gguf as gw
+    from hydraspec.cpu.gguf import can_concat
     from hydraspec.shared_input import Projection, fuse_siblings
 
     if native and gw._gguf_lib() is None:
@@ -144,7 +144,7 @@ def test_loader_maps_every_tensor_as_transformers_does(tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from hydraspec.gguf_weights import build_model
+    from hydraspec.cpu.gguf import build_model
 
     path = tmp_path / "tiny.gguf"
     _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1", "Q5_K", "Q4_0", "Q5_1"])
@@ -176,7 +176,7 @@ def test_draft_vocabulary_cut_at_load_equals_the_cut_after_it(tmp_path, output):
     from transformers import LlamaConfig
 
     from hydraspec.draft_vocab import DraftVocabHead, kept_ids, trim_draft_vocab
-    from hydraspec.gguf_weights import build_model
+    from hydraspec.cpu.gguf import build_model
 
     path = tmp_path / "tiny.gguf"
     _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q8_0"], output=output)
@@ -221,9 +221,9 @@ def test_without_a_compiler_everything_runs_on_torch(tmp_path):
     code = (
         "import warnings, torch\n"
         "warnings.simplefilter('ignore')\n"
-        "from hydraspec import kernels\n"
+        "from hydraspec.cpu import kernels\n"
         "assert kernels.native_lib() is None and kernels.int8_dot_lib() is None\n"
-        "from hydraspec.gguf_weights import _gguf_lib\n"
+        "from hydraspec.cpu.gguf import _gguf_lib\n"
         "assert _gguf_lib() is None\n"
         "import sys; sys.path.insert(0, %r)\n"
         "import tiny\n"
@@ -247,7 +247,7 @@ def test_install_time_build_is_used_and_needs_no_compiler_later(tmp_path):
     import subprocess
     import sys
 
-    from hydraspec import kernels, native_build
+    from hydraspec.cpu import build as native_build, kernels
 
     isa = kernels.native_isa()
     if isa is None:
@@ -258,7 +258,7 @@ def test_install_time_build_is_used_and_needs_no_compiler_later(tmp_path):
     name = native_build.library_name(isa)
     assert (pre / name).exists()
     (pre / "bf16_linear-stale.so").write_bytes(b"not a library")
-    code = ("from hydraspec import kernels\n"
+    code = ("from hydraspec.cpu import kernels\n"
             "lib = kernels.native_lib()\n"
             "print(lib._name)\n")
     env = dict(os.environ, CC=str(tmp_path / "no-such-compiler"), HYDRASPEC_HOME=str(tmp_path / "home"),
@@ -274,7 +274,7 @@ def test_install_time_build_is_used_and_needs_no_compiler_later(tmp_path):
 def _gguf_builds():
     """The AVX2 build of the native kernel and, where this CPU runs it (AVX512_VNNI), the AVX-512 build, for
     comparing their GGUF kernels; skips without AVX2 + FMA or without a C compiler."""
-    from hydraspec import kernels
+    from hydraspec.cpu import kernels
 
     if not kernels.cpu_runs("avx2"):
         pytest.skip("no AVX2 + FMA on this CPU")
@@ -293,7 +293,7 @@ def _kernel_arithmetic(lin: GGUFLinear, x: torch.Tensor) -> torch.Tensor:
     Each operation runs in float64 and is rounded to float32: a product of two floats is exact in float64, so
     this is the fused result (but for double-rounding ties, vanishingly rare). GGUFLinear.reference rounds the
     product before adding, and so differs from the kernels by a bf16 step now and then."""
-    from hydraspec.gguf_weights import quantize_rows_grouped
+    from hydraspec.cpu.gguf import quantize_rows_grouped
 
     def r(t):
         return t.float().double()
@@ -350,7 +350,7 @@ def _check_exact(lin: GGUFLinear, x: torch.Tensor, avx2, vnni, monkeypatch) -> t
     a bias, again for a bias that cancels each row's sum in turn: the output is then what bf16 otherwise
     hides, the low bits of that row's fp32 sums (a multiply and an add where the kernels fuse them would
     show there). Returns the output with lin's own bias."""
-    import hydraspec.gguf_weights as gw
+    import hydraspec.cpu.gguf as gw
 
     def check(tag):
         monkeypatch.setattr(gw, "_gguf_lib", lambda: avx2)
@@ -400,7 +400,7 @@ def test_avx2_gguf_kernel_any_group_size(bits, form, group, monkeypatch):
     a last round shorter), the 8-bit min form and an 8-bit zero point other than 128 (no GGUF type has
     them, the kernels do), and two-level scales: the AVX2 build equals the VNNI build and the arithmetic
     in torch."""
-    from hydraspec.gguf_weights import QuantWeight
+    from hydraspec.cpu.gguf import QuantWeight
 
     avx2, vnni = _gguf_builds()
     rng = np.random.default_rng(bits * 100 + group)
@@ -425,7 +425,7 @@ def test_avx2_gguf_kernel_any_group_size(bits, form, group, monkeypatch):
 def test_avx2_gguf_rows_are_independent(type_name, monkeypatch):
     """With the AVX2 build a row's output is the same whatever rows are computed beside it (alone, in
     passes of 4 rows at any position, split across calls)."""
-    import hydraspec.gguf_weights as gw
+    import hydraspec.cpu.gguf as gw
 
     avx2, _ = _gguf_builds()
     monkeypatch.setattr(gw, "_gguf_lib", lambda: avx2)

@@ -7,7 +7,7 @@ from torch import nn
 
 import tiny
 from hydraspec import SpeculativeGenerator, make_drafter
-from hydraspec.kernels import PackedLinear, available, prepack
+from hydraspec.cpu.kernels import PackedLinear, available, prepack
 
 pytestmark = pytest.mark.skipif(not available(), reason="oneDNN not available")
 
@@ -39,14 +39,14 @@ def test_prepacked_model_decodes_exactly(tok):
         assert res.token_ids == ref
 
 
-native = pytest.mark.skipif(__import__("hydraspec.kernels", fromlist=["native_lib"]).native_lib() is None,
+native = pytest.mark.skipif(__import__("hydraspec.cpu.kernels", fromlist=["native_lib"]).native_lib() is None,
                             reason="native bf16 kernel not built here (no AVX-512 or no C compiler)")
 
 
 @pytest.fixture(params=["fp32", "bf16-dot"])
 def kernel_path(request, monkeypatch):
     """Both paths of the bf16 kernel: fp32 FMA, and vdpbf16ps where the CPU has AVX512_BF16."""
-    from hydraspec import kernels
+    from hydraspec.cpu import kernels
     want = request.param == "bf16-dot"
     if want and not (kernels.native_lib() is not None and "avx512_bf16" in kernels._cpu_flags()):
         pytest.skip("no AVX512_BF16 on this CPU")
@@ -57,7 +57,7 @@ def kernel_path(request, monkeypatch):
 @native
 @pytest.mark.parametrize("in_features", [64, 40, 7])  # multiples of 16 and masked tails
 def test_native_bf16_kernel_matches_fp32_reference(in_features, kernel_path):
-    from hydraspec.kernels import native_linear_bf16
+    from hydraspec.cpu.kernels import native_linear_bf16
     torch.manual_seed(1)
     w = torch.randn(37, in_features).bfloat16()
     b = torch.randn(37)
@@ -72,7 +72,7 @@ def test_native_bf16_kernel_matches_fp32_reference(in_features, kernel_path):
 def test_native_bf16_rows_do_not_depend_on_their_neighbours(kernel_path):
     """A verify step computes a token beside others; with this kernel its projection is bit-identical
     to computing it alone, which keeps bf16 speculative output closer to plain decoding."""
-    from hydraspec.kernels import native_linear_bf16
+    from hydraspec.cpu.kernels import native_linear_bf16
     torch.manual_seed(2)
     w = torch.randn(300, 1536).bfloat16()
     x = torch.randn(33, 1536).bfloat16()
@@ -97,8 +97,8 @@ def test_packed_linear_uses_native_kernel_for_bf16(kernel_path):
 
 @pytest.mark.parametrize("use_native", [True, False])
 def test_int8_linear_matches_its_dequantized_weight(use_native, monkeypatch):
-    from hydraspec import kernels
-    from hydraspec.kernels import Int8Linear
+    from hydraspec.cpu import kernels
+    from hydraspec.cpu.kernels import Int8Linear
     if use_native and kernels.native_lib() is None:
         pytest.skip("native kernel not built here")
     if not use_native:
@@ -123,8 +123,8 @@ def test_w8a8_native_kernel_is_the_integer_arithmetic(isa, monkeypatch):
     same integer arithmetic in torch, for row counts inside and across the row blocks (12 rows with VNNI,
     3 with AVX2) and an input size that is not a multiple of 4; and close to the unquantised product.
     "avx2" forces the AVX2 build (vpmaddubsw), which AVX-512 CPUs run too."""
-    from hydraspec import kernels
-    from hydraspec.kernels import W8A8Linear
+    from hydraspec.cpu import kernels
+    from hydraspec.cpu.kernels import W8A8Linear
     lib = _int8_dot_build(isa, monkeypatch)
     torch.manual_seed(7)
     lin = nn.Linear(130, 45, bias=True).to(torch.bfloat16)
@@ -150,7 +150,7 @@ def test_w8a8_native_kernel_is_the_integer_arithmetic(isa, monkeypatch):
 def _int8_dot_build(isa, monkeypatch):
     """The w8a8/w4a8 kernel build for a test: this CPU's choice ("native") or the AVX2 build; skips where
     it cannot run, and makes the Linear modules use it."""
-    from hydraspec import kernels
+    from hydraspec.cpu import kernels
     if isa == "native":
         lib = kernels.int8_dot_lib()
     else:
@@ -168,8 +168,8 @@ def test_w4a8_linear_is_its_integer_arithmetic(isa, group, monkeypatch):
     agree, weights sit within half a step of their 4-bit value, rows do not depend on their neighbours.
     Groups of 64 inputs take two int16 rounds of the AVX2 kernel, groups of 32 one.
     (The torch path alone runs in the draft-model test below: tiny fp32 models do not take the kernel.)"""
-    from hydraspec import kernels
-    from hydraspec.kernels import W4A8Linear
+    from hydraspec.cpu import kernels
+    from hydraspec.cpu.kernels import W4A8Linear
     lib = _int8_dot_build(isa, monkeypatch)
     torch.manual_seed(8)
     lin = nn.Linear(128, 45, bias=True).to(torch.bfloat16)
@@ -199,7 +199,7 @@ def test_w4a8_linear_is_its_integer_arithmetic(isa, group, monkeypatch):
 @pytest.mark.parametrize("how", ["int8", "w8a8", "w4a8"])
 def test_quantised_draft_model_keeps_output_exact(how, tok):
     """Quantising the drafter may change acceptance, never the output (fp32 target, greedy)."""
-    from hydraspec import kernels
+    from hydraspec.cpu import kernels
     kind = {"int8": kernels.Int8Linear, "w8a8": kernels.W8A8Linear, "w4a8": kernels.W4A8Linear}[how]
     target = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2, init_range=0.05)
     draft = copy.deepcopy(target)
@@ -215,7 +215,7 @@ def test_quantised_draft_model_keeps_output_exact(how, tok):
 
 
 def test_w4a8_group_sizes_and_fallback():
-    from hydraspec.kernels import W4A8Linear, W8A8Linear, quantize_w4a8
+    from hydraspec.cpu.kernels import W4A8Linear, W8A8Linear, quantize_w4a8
     draft = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2)
     quantize_w4a8(draft)
     assert {m.group for m in draft.modules() if isinstance(m, W4A8Linear)} == {32, 64}  # 96 and 192 inputs
@@ -230,8 +230,8 @@ def test_avx2_kernel_sums_like_the_avx512_kernel(in_features, monkeypatch):
     CPU that runs both, their bf16 and int8 results are bit-identical for every row count (1-2 rows
     take its whole-block pass, more rows its half-block passes); on an AVX2-only CPU it matches the
     float64 product."""
-    from hydraspec import kernels
-    from hydraspec.kernels import Int8Linear, native_linear_bf16
+    from hydraspec.cpu import kernels
+    from hydraspec.cpu.kernels import Int8Linear, native_linear_bf16
     if not kernels.cpu_runs("avx2"):
         pytest.skip("no AVX2 + FMA on this CPU")
     avx2 = kernels.build_native("avx2")
@@ -265,7 +265,7 @@ def test_avx2_kernel_sums_like_the_avx512_kernel(in_features, monkeypatch):
 
 def test_reports_name_the_cpu_kernel(monkeypatch):
     """Bench reports say which native build ran (a CPU model name does not tell Zen 3 from Zen 4)."""
-    from hydraspec import kernels
+    from hydraspec.cpu import kernels
     from hydraspec.bench.report import machine_info, machine_line
     expected = "torch" if kernels.native_lib() is None else (
         "avx512-bf16dot" if kernels.bf16_dot() else kernels.native_isa())
@@ -281,7 +281,7 @@ def test_reports_name_the_cpu_kernel(monkeypatch):
 def test_w4a8_draft_refused_without_an_int8_dot_kernel(monkeypatch):
     """--draft-quant w8a8/w4a8 needs the native int8 dot-product kernel (AVX512_VNNI or AVX2): without it
     the request is refused with a message that names the way out, and nothing is quantised."""
-    from hydraspec import kernels
+    from hydraspec.cpu import kernels
     from hydraspec.errors import HydraspecError
     from hydraspec.quantize import quantize_draft
     draft = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2)
@@ -297,8 +297,8 @@ def test_w4a8_draft_refused_without_an_int8_dot_kernel(monkeypatch):
 def test_w4a8_built_chunk_by_chunk_equals_built_whole(monkeypatch):
     """Re-quantising a weight a chunk of rows at a time (so no dense copy of a large weight is made) gives the
     same codes and scales as one pass over all rows, for a plain Linear and for a GGUF weight."""
-    import hydraspec.kernels as k
-    from hydraspec.gguf_weights import GGUFLinear, decode
+    import hydraspec.cpu.kernels as k
+    from hydraspec.cpu.gguf import GGUFLinear, decode
     from test_gguf import random_tensor
 
     torch.manual_seed(0)

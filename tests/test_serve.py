@@ -252,6 +252,34 @@ def test_adaptive_rule_drafts_less_when_verify_cost_grows():
         assert AdaptiveDraft({1: 1.0, 2: 1.0}, 3).best_k(4, 0.0) == 0  # nothing is ever accepted
 
 
+def test_adaptive_rule_stops_drafting_where_the_clock_says_it_loses():
+    """The cost model says draft; the measured steps say drafting is slower at 4 rows and faster at 1: after a
+    few probes the rule decodes plainly at 4 rows (still probing now and then) and keeps drafting at 1."""
+    from hydraspec.adaptive import MIN_STEPS, PROBE_EVERY, AdaptiveDraft
+
+    rule = AdaptiveDraft({1: 1.0, 32: 1.0}, 4)  # free extra tokens: the model always drafts 4
+    clock = {1: (0.010, 0.008), 4: (0.020, 0.045)}  # rows -> seconds of a plain step, of a drafting step
+
+    def run(rows, steps):
+        ks = []
+        for _ in range(steps):
+            k = rule(rows)
+            plain_s, draft_s = clock[rows]
+            rule.observe(rows, k, draft_s if k else plain_s, rows * (2 if k else 1))  # drafting emits 2 a row
+            ks.append(k)
+        return ks
+
+    early = run(4, PROBE_EVERY * MIN_STEPS)
+    assert early.count(0) >= MIN_STEPS and rule.drafting_loses(4)  # 4 rows: 178 tokens/s drafting, 200 plain
+    late = run(4, 10 * PROBE_EVERY)
+    assert late.count(4) == 10 and late.count(0) == 9 * PROBE_EVERY  # plain, one probe in PROBE_EVERY
+    ones = run(1, 20 * PROBE_EVERY)
+    assert not rule.drafting_loses(1) and ones.count(4) > 0.9 * len(ones)  # 1 row: 250 vs 100 tokens/s
+    assert "measured" in rule.describe()
+    unchecked = AdaptiveDraft({1: 1.0, 32: 1.0}, 4, check=False)
+    assert all(unchecked(4) == 4 for _ in range(3 * PROBE_EVERY))
+
+
 def test_bench_serve_measures_a_real_server(tmp_path):
     from hydraspec.bench.serve_load import run_level, table
 

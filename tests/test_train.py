@@ -209,7 +209,7 @@ def test_medusa2_joint_training_tunes_the_base_and_stays_exact(tok, tmp_path):
     import copy
 
     from hydraspec import HydraspecError
-    from hydraspec.kernels import prepack
+    from hydraspec.cpu.kernels import prepack
 
     model = copy.deepcopy(tiny.cached_model("llama", "sdpa", 1))  # this test changes the base
     prepack(model)  # as load_model leaves it: joint training must not read stale packed weights

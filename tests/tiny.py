@@ -57,7 +57,7 @@ def make_model(family: str = "llama", *, attn: str = "sdpa", seed: int = 0, voca
         kw["head_dim"] = hidden // heads
     cfg = cfg_cls(**kw)
     if attn == "hydraspec_cpu":
-        from hydraspec.attention import register
+        from hydraspec.cpu.attention import register
 
         register()
     cfg._attn_implementation = attn

@@ -9,6 +9,14 @@ decoding) wins when the forward's cost grows faster than acceptance pays, and un
 beat it by PAY_MARGIN (the model leaves out per-row drafting and acceptance work, which grows with the rows).
 ``a`` is estimated online from the engine's own counts (accepted drafts and misses), starting from a prior
 of 0.5 worth 20 draws.
+
+The model is then checked against the clock: the engine reports every step's wall time and emitted tokens
+(:meth:`AdaptiveDraft.observe`), and per number of rows the rule keeps the tokens per second of the steps that
+drafted and of those that did not (averaged over the last ~EWMA_STEPS of each). Where the model says "draft",
+one step in PROBE_EVERY decodes plainly instead (one in 4 x PROBE_EVERY once MIN_STEPS are in); once both sides have MIN_STEPS steps and the drafting steps
+are measured slower, that row count decodes plainly, still trying the model's draft length one step in
+PROBE_EVERY in case acceptance has changed. So the rule is never slower than plain decoding for long,
+whatever the model leaves out (drafting work, Python overhead, padding, a server's own costs).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from .cache import text_config
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
 PAY_MARGIN = 1.15
+PROBE_EVERY, MIN_STEPS, EWMA_STEPS = 10, 8, 32
 SIZES = (1, 2, 4, 8, 16, 32)
 
 
@@ -50,11 +59,15 @@ class AdaptiveDraft:
     """draft_cap(rows) for the engine: the rule of the module docstring over measured costs ``cost``
     ({tokens: seconds}) and the engine's acceptance counts (``engine`` is read at every call)."""
 
-    def __init__(self, cost: dict[int, float], k_max: int, engine=None):
+    def __init__(self, cost: dict[int, float], k_max: int, engine=None, check: bool = True):
         self.points = sorted(cost.items())
         self.k_max = max(0, int(k_max))
         self.engine = engine
+        self.check = check
         self.last: dict[int, int] = {}
+        # per number of rows: [tokens/s, steps] of drafting steps and of plain ones, and a step counter
+        self.measured: dict[int, dict[str, list[float]]] = {}
+        self.calls: dict[int, int] = {}
 
     def cost(self, n: int) -> float:
         pts = self.points
@@ -83,10 +96,37 @@ class AdaptiveDraft:
 
     def __call__(self, rows: int) -> int:
         k = self.best_k(rows)
+        if k and self.check:
+            n = self.calls[rows] = self.calls.get(rows, 0) + 1
+            if self.drafting_loses(rows):
+                k = k if n % PROBE_EVERY == 0 else 0  # measured slower: plain, checking the draft now and then
+            else:
+                plain = self.measured.get(rows, {}).get("plain", [0.0, 0])[1]
+                if n % (PROBE_EVERY if plain < MIN_STEPS else 4 * PROBE_EVERY) == 0:
+                    k = 0  # a plain step to compare with (rarer once there are enough)
         self.last[rows] = k
         return k
+
+    def observe(self, rows: int, k: int, seconds: float, tokens: int) -> None:
+        """One engine step at ``rows`` rows that drafted up to ``k`` tokens a row took ``seconds`` and emitted
+        ``tokens`` tokens."""
+        if seconds <= 0:
+            return
+        side = self.measured.setdefault(rows, {}).setdefault("draft" if k else "plain", [0.0, 0])
+        rate, n = side
+        w = 1.0 / min(n + 1, EWMA_STEPS)
+        side[0], side[1] = rate + w * (tokens / seconds - rate), n + 1
+
+    def drafting_loses(self, rows: int) -> bool:
+        """Whether drafting steps at ``rows`` rows were measured slower than plain ones (enough of each)."""
+        m = self.measured.get(rows, {})
+        d, p = m.get("draft"), m.get("plain")
+        return bool(d and p and d[1] >= MIN_STEPS and p[1] >= MIN_STEPS and d[0] < p[0])
 
     def describe(self) -> str:
         costs = ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in self.points)
         ks = ", ".join(f"{r} rows -> {self.best_k(r)}" for r in (1, 2, 4, 8))
-        return f"verify cost by tokens {{{costs}}}; acceptance rate {self.rate():.2f}; draft tokens per row: {ks}"
+        text = f"verify cost by tokens {{{costs}}}; acceptance rate {self.rate():.2f}; draft tokens per row: {ks}"
+        seen = [f"{r} rows: drafting {m['draft'][0]:.1f} vs plain {m['plain'][0]:.1f} tokens/s"
+                for r, m in sorted(self.measured.items()) if "draft" in m and "plain" in m]
+        return text + ("; measured " + ", ".join(seen) if seen else "")

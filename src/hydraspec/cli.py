@@ -27,7 +27,7 @@ def add_model_args(p) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
     p.add_argument("--no-prepack", action="store_true",
-                   help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.kernels)")
+                   help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
 
 
 def add_method_args(p) -> None:

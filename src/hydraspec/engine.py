@@ -212,6 +212,7 @@ class Engine:
         # 1. drafts, one per row, trimmed to the row's token budget
         n_active = len(active)
         cap = self._cap(n_active)
+        t_step, emitted_total = time.perf_counter(), 0
         trees, shapes = [], []
         t0 = time.perf_counter()
         together = None
@@ -290,6 +291,7 @@ class Engine:
             dst[b, :k] = r.length + torch.arange(k)
             r.length += k
             emitted = self._emit(r, [node_lists[b][i] for i in acc.path[1:]] + [acc.next_token])
+            emitted_total += len(emitted)
             r.stats.target_forwards += 1
             r.stats.verify_s += verify_s
             r.state.hidden = hid[b, acc.path[-1]] if hid is not None else None
@@ -310,6 +312,8 @@ class Engine:
                 finished.append(b)
         if not torch.equal(src, dst):  # a row's accepted chain may already sit where it belongs
             compact(self.cache, src.to(dev), dst.to(dev))
+        if cap is not None and hasattr(self.draft_cap, "observe"):  # the rule checks itself against the clock
+            self.draft_cap.observe(n_active, cap, time.perf_counter() - t_step, emitted_total)
 
         # 4. finished rows leave the batch
         self._leave(finished, None, done)

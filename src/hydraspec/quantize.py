@@ -1,5 +1,5 @@
 """Draft-model quantisation on the CPU backend: a draft model's Linear weights held as int8, or as int8 / 4-bit
-codes multiplied with int8 activations (hydraspec.kernels' Int8Linear, W8A8Linear, W4A8Linear).
+codes multiplied with int8 activations (hydraspec.cpu.kernels' Int8Linear, W8A8Linear, W4A8Linear).
 
 Guarantee: only drafters are quantised. In speculative decoding (Leviathan et al. 2023) the verified output
 comes from the unquantised target, so quantising a draft changes how many draft tokens are accepted, never
@@ -21,21 +21,21 @@ def auto_draft_quant(weights: str) -> str:
     stays "none"."""
     if weights != "gguf":
         return weights
-    from .kernels import int8_dot_lib
+    from .cpu.kernels import int8_dot_lib
 
     return "w4a8" if int8_dot_lib() is not None else "gguf"
 
 
 def quantize_draft(model, how: str | None):
     """Quantise a draft model's Linear weights in place (``how``: none | int8 | w8a8 | w4a8, see
-    hydraspec.kernels.Int8Linear / W8A8Linear / W4A8Linear); returns the model."""
+    hydraspec.cpu.kernels.Int8Linear / W8A8Linear / W4A8Linear); returns the model."""
     if how in (None, "none"):
         return model
     if how not in DRAFT_QUANT:
         raise HydraspecError(f"unknown draft quantisation '{how}' (known: {', '.join(DRAFT_QUANT)})")
     if next(model.parameters()).device.type != "cpu":
         raise HydraspecError(f"--draft-quant {how} runs on the CPU kernel only; drop it for GPU drafters")
-    from .kernels import int8_dot_lib, quantize_int8, quantize_w4a8, quantize_w8a8, release_free_memory
+    from .cpu.kernels import int8_dot_lib, quantize_int8, quantize_w4a8, quantize_w8a8, release_free_memory
 
     if how in ("w8a8", "w4a8") and int8_dot_lib() is None:
         raise HydraspecError(f"--draft-quant {how} needs the native CPU kernel (AVX2 or AVX512_VNNI and a C "

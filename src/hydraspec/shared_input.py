@@ -2,7 +2,7 @@
 
 A decoder layer of the stock transformers classes calls ``q_proj(h)``, ``k_proj(h)`` and ``v_proj(h)`` one
 after another on the same tensor ``h``. :func:`fuse_siblings` joins such sibling weights into one weight
-(when their formats allow it, e.g. :meth:`hydraspec.gguf_weights.GGUFLinear.concat`) and puts a
+(when their formats allow it, e.g. :meth:`hydraspec.cpu.gguf.GGUFLinear.concat`) and puts a
 :class:`Projection` in each sibling's place: the first sibling to see ``h`` runs the joined weight once,
 the others take their columns of that result. A sibling called on any other tensor object computes anew,
 so the result does not depend on the order or the number of calls (the layer must not change ``h`` in place

@@ -59,7 +59,7 @@ def add_parser(subparsers):
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
     p.add_argument("--no-prepack", action="store_true",
-                   help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.kernels)")
+                   help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory: records.jsonl, results.json, results.md, speedup.png, answers/")
     p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")

@@ -97,7 +97,7 @@ class Heads(nn.Module):
             head = self.proj[k]
             return head(x.to(head.weight.dtype))
         base = self._shared[0]
-        if hasattr(base, "select"):  # a base lm_head at the GGUF file's precision (hydraspec.gguf_weights)
+        if hasattr(base, "select"):  # a base lm_head at the GGUF file's precision (hydraspec.cpu.gguf)
             if self.subset is None:
                 return base(x.to(torch.bfloat16))
             if not self._shared_sub:

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .home import hydraspec_home
-from .native_build import compile_library, library_name, prebuilt_dir
+from ..home import hydraspec_home
+from .build import compile_library, library_name, prebuilt_dir
 
 
 
@@ -94,7 +94,7 @@ def native_lib():
 @lru_cache(maxsize=None)
 def build_native(isa: str):
     """Load the kernel for `isa` ('avx512' or 'avx2'): the install-time build when it matches the sources,
-    else one compiled on first use (cached on disk; :mod:`hydraspec.native_build`), or None.
+    else one compiled on first use (cached on disk; :mod:`hydraspec.cpu.build`), or None.
     An AVX-512 CPU also runs the AVX2 build, which lets tests compare the two."""
     name = library_name(isa)
     if name is None:
@@ -130,7 +130,7 @@ def build_native(isa: str):
                                  i64p, ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 7 + \
                                 [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.hs_attention.restype = ctypes.c_int
-    if hasattr(lib, "hs_gguf_apply"):  # GGUF weights (gguf_weights): the weight's fields in one struct
+    if hasattr(lib, "hs_gguf_apply"):  # GGUF weights (cpu.gguf): the weight's fields in one struct
         lib.hs_gguf_apply.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.hs_gguf_apply.restype = ctypes.c_int
         lib.hs_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]

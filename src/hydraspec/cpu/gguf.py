@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hydraspec.errors import HydraspecError
-from hydraspec.kernels import release_free_memory
+from hydraspec.cpu.kernels import release_free_memory
 
 __all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped"]
 
@@ -585,7 +585,7 @@ def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str 
     if missing:
         raise HydraspecError(f"GGUF file {gguf_file} has no tensor for {', '.join(missing[:5])}")
     if cut is not None:
-        from .draft_vocab import DraftVocabHead, cut_output
+        from ..draft_vocab import DraftVocabHead, cut_output
 
         if output_rows is None:  # read for those rows only
             vocab = config.get_text_config(decoder=True).vocab_size
