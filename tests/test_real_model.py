@@ -26,16 +26,23 @@ def smollm2():
 
 
 def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2):
+    """float32: plain decoding equals transformers' generate, and every drafter, each shipped head kind
+    (medusa, hydra, hydra++) included, gives exactly its answer."""
+    from hydraspec.demo import bundled_head_drafters
+
     model, tok = smollm2
     ar = SpeculativeGenerator(model, tok)
+    shipped = bundled_head_drafters(model)
+    assert {"medusa", "hydra", "hydra++"} <= {name for name, _ in shipped}
     for prompt in PROMPTS:
         ref = ar.generate(prompt, max_new_tokens=48)
         x = torch.tensor([ref.prompt_ids])
         hf = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=48)
         assert ref.token_ids == hf[0, x.shape[1]:].tolist()
-        for drafter in (make_drafter("pld"), make_drafter("draft", draft_model=model, widths=[2, 1])):
+        drafters = [make_drafter("pld"), make_drafter("draft", draft_model=model, widths=[2, 1])]
+        for drafter in drafters + [d for _, d in shipped]:
             res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=48)
-            assert res.token_ids == ref.token_ids
+            assert res.token_ids == ref.token_ids, drafter.name
             assert res.stats.mean_accepted >= 1.0
 
 
@@ -43,8 +50,8 @@ def test_bf16_speculation_equals_plain_decoding_on_smollm2():
     """In bf16 as well: every verify row computes what decoding that token alone computes (the native
     kernel's row-independent attention and matmuls), so the answers are plain decoding's token for token.
     With torch's attention they parted at near-ties (6-31 % identical on SmolLM2 in bf16)."""
+    from hydraspec.cpu.kernels import fused_lib
     from hydraspec.demo import bundled_head_drafters
-    from hydraspec.kernels import fused_lib
     from hydraspec.models import load_model
 
     if fused_lib() is None:
@@ -64,7 +71,7 @@ def test_gguf_precision_speculation_equals_plain_decoding_on_smollm2():
     """At the file's own precision (Q4_1 codes, int8 activations per group): every method's greedy answer is
     plain decoding's at that precision, token for token."""
     from hydraspec.demo import bundled_head_drafters
-    from hydraspec.gguf_weights import GGUFLinear, _gguf_lib
+    from hydraspec.cpu.gguf import GGUFLinear, _gguf_lib
     from hydraspec.models import load_model
 
     if _gguf_lib() is None:
@@ -86,8 +93,8 @@ def test_cheaper_draft_of_a_gguf_model_changes_nothing_but_speed_on_smollm2():
     """A draft re-quantized to 4 bits from the file's own values (never from a bf16 copy) and cut to part of
     its vocabulary: its tokens outside the cut are never proposed, and the answer is still plain decoding's."""
     from hydraspec.draft_vocab import DraftVocabHead
-    from hydraspec.gguf_weights import _gguf_lib
-    from hydraspec.kernels import W4A8Linear
+    from hydraspec.cpu.gguf import _gguf_lib
+    from hydraspec.cpu.kernels import W4A8Linear
     from hydraspec.models import load_draft_model, load_model
 
     if _gguf_lib() is None:
