@@ -271,6 +271,7 @@ def test_adaptive_rule_stops_drafting_where_the_clock_says_it_loses():
 
     early = run(4, PROBE_EVERY * MIN_STEPS)
     assert early.count(0) >= MIN_STEPS and rule.drafting_loses(4)  # 4 rows: 178 tokens/s drafting, 200 plain
+    assert rule.drafting_loses(8) and rule(8) == 0  # more rows, not measured yet: taken to lose as well
     late = run(4, 10 * PROBE_EVERY)
     assert late.count(4) == 10 and late.count(0) == 9 * PROBE_EVERY  # plain, one probe in PROBE_EVERY
     ones = run(1, 20 * PROBE_EVERY)

@@ -15,8 +15,9 @@ The model is then checked against the clock: the engine reports every step's wal
 drafted and of those that did not (averaged over the last ~EWMA_STEPS of each). Where the model says "draft",
 one step in PROBE_EVERY decodes plainly instead (one in 4 x PROBE_EVERY once MIN_STEPS are in); once both sides have MIN_STEPS steps and the drafting steps
 are measured slower, that row count decodes plainly, still trying the model's draft length one step in
-PROBE_EVERY in case acceptance has changed. So the rule is never slower than plain decoding for long,
-whatever the model leaves out (drafting work, Python overhead, padding, a server's own costs).
+PROBE_EVERY in case acceptance has changed; so does every larger row count not yet measured itself. So the
+rule is never slower than plain decoding for long, whatever the model leaves out (drafting work, Python
+overhead, padding, a server's own costs).
 """
 from __future__ import annotations
 
@@ -117,11 +118,21 @@ class AdaptiveDraft:
         w = 1.0 / min(n + 1, EWMA_STEPS)
         side[0], side[1] = rate + w * (tokens / seconds - rate), n + 1
 
-    def drafting_loses(self, rows: int) -> bool:
-        """Whether drafting steps at ``rows`` rows were measured slower than plain ones (enough of each)."""
+    def _verdict(self, rows: int) -> bool | None:
         m = self.measured.get(rows, {})
         d, p = m.get("draft"), m.get("plain")
-        return bool(d and p and d[1] >= MIN_STEPS and p[1] >= MIN_STEPS and d[0] < p[0])
+        if not (d and p and d[1] >= MIN_STEPS and p[1] >= MIN_STEPS):
+            return None
+        return d[0] < p[0]
+
+    def drafting_loses(self, rows: int) -> bool:
+        """Whether drafting steps at ``rows`` rows were measured slower than plain ones (enough of each); with
+        too few steps at ``rows``, whether they were at some smaller row count (a wider batch only makes the
+        verify forward's extra tokens cost more)."""
+        own = self._verdict(rows)
+        if own is not None:
+            return own
+        return any(self._verdict(r) for r in self.measured if r < rows)
 
     def describe(self) -> str:
         costs = ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in self.points)
