@@ -93,8 +93,11 @@ def plot(results: list[dict], path: Path) -> None:
         ax[1].plot([r["cpu_hours"] for r in rs], [r["tokens_per_step"] for r in rs], style, label=label)
     ax[0].set_xlabel("training tokens (data tokens x epochs, log)")
     ax[1].set_xlabel("CPU-hours (data + training, log)")
+    from matplotlib.ticker import NullFormatter
+
     for a in ax:
         a.set_xscale("log")
+        a.xaxis.set_minor_formatter(NullFormatter())
         a.set_ylabel("held-out tokens per verify step")
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=8)
