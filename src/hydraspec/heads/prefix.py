@@ -42,7 +42,12 @@ class PrefixLayer(nn.Module):
         last = base.layers[-1]
         # prepacked oneDNN weights cannot be deep-copied (and would go stale): copy without them
         memo = {id(m.packed): None for m in last.modules() if getattr(m, "packed", None) is not None}
-        self.layer = unpack(copy.deepcopy(last, memo))
+        try:
+            layer = copy.deepcopy(last, memo)
+        except (TypeError, ValueError):  # weights held for a native kernel (GGUF codes): a fresh layer of the
+            # same class; loaded heads overwrite its weights, and its zeroed outputs make it the identity
+            layer = type(last)(model.config.get_text_config(decoder=True), layer_idx=len(base.layers) - 1)
+        self.layer = unpack(layer)
         self.layer.requires_grad_(True)
         for mod in self.layer.modules():  # its own one-layer cache
             if hasattr(mod, "layer_idx"):
