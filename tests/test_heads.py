@@ -175,6 +175,30 @@ def test_hydra_plus_plus_drafter_is_exact_and_checkpoint_round_trips(tok, tmp_pa
         assert res.token_ids == ref.token_ids
 
 
+def test_int8_shipped_copy_loads_close_to_the_original_and_stays_exact(tok, tmp_path):
+    """copy_heads(..., "int8") stores each matrix as int8 codes with a per-row scale (a quarter of the fp32
+    size): loaded back, every weight is within half a code step of the original, and drafting with them is
+    still exact."""
+    from hydraspec.heads.checkpoint import copy_heads
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = build_heads("hydra", model, num_heads=4, num_layers=2, prefix_layer=True)
+    _perturb(heads, 0.05, seed=2)
+    save_heads(heads, tmp_path / "fp32", base_model="tiny-llama")
+    copy_heads(tmp_path / "fp32", tmp_path / "int8", "int8")
+    size = {n: (tmp_path / n / "heads.safetensors").stat().st_size for n in ("fp32", "int8")}
+    assert size["int8"] < 0.35 * size["fp32"]
+    loaded, _ = load_heads(tmp_path / "int8", model)
+    for (name, a), b in zip(heads.state_dict().items(), loaded.state_dict().values()):
+        if a.is_floating_point() and a.ndim == 2:
+            step = a.abs().amax(1, keepdim=True) / 127
+            assert ((a - b).abs() <= step / 2 + 1e-6).all(), name
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=[5, 9, 2, 7], max_new_tokens=20)
+    drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE)
+    assert SpeculativeGenerator(model, tok, drafter).generate(input_ids=[5, 9, 2, 7],
+                                                              max_new_tokens=20).token_ids == ref.token_ids
+
+
 def test_draft_vocabulary_heads_are_exact_greedy_and_lossless_q(tok, tmp_path):
     model = tiny.cached_model("llama", "sdpa", 1)
     v = model.config.vocab_size

@@ -107,7 +107,7 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
     if (cfg.get("joint") or not cfg.get("base_fingerprint")) and base_model and cfg.get("base_model") and \
             _norm(cfg["base_model"]) != _norm(base_model):
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
-    state = load_file(str(d / "heads.safetensors"))
+    state = _dequantize_int8(load_file(str(d / "heads.safetensors")))
     heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
                         prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"))
     missing, unexpected = heads.load_state_dict(state, strict=False)
@@ -126,16 +126,37 @@ def _norm(name: str) -> str:
     return Path(str(name)).name.lower().removesuffix(".gguf")
 
 
+INT8_SCALE = ".int8_scale"  # a weight stored as int8 codes has its per-row scale under NAME + this
+
+
 def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
     """Copy a heads checkpoint with its float weights cast to `dtype` (bf16 halves the size; the heads
-    are cast to the model's dtype when loaded anyway). Used to ship the default model's heads."""
+    are cast to the model's dtype when loaded anyway), or with ``"int8"`` its matrices as int8 codes and one
+    fp32 scale per row (absmax / 127; vectors in bf16), a quarter of the size. Heads only draft, so this can
+    change acceptance, never the output. Used to ship the default model's heads."""
     import shutil
 
     s, d = Path(src), Path(dst)
     d.mkdir(parents=True, exist_ok=True)
     state = load_file(str(s / "heads.safetensors"))
-    cast = getattr(torch, dtype)
-    state = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    save_file(state, str(d / "heads.safetensors"))
+    out = {}
+    for k, v in state.items():
+        if not v.is_floating_point():
+            out[k] = v
+        elif dtype == "int8" and v.ndim == 2:
+            scale = (v.float().abs().amax(1) / 127).clamp_min(1e-12)
+            out[k] = torch.round(v.float() / scale[:, None]).to(torch.int8)
+            out[k + INT8_SCALE] = scale
+        else:
+            out[k] = v.to(torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
+    save_file({k: v.contiguous() for k, v in out.items()}, str(d / "heads.safetensors"))
     shutil.copy(s / "config.json", d / "config.json")
     return d
+
+
+def _dequantize_int8(state: dict) -> dict:
+    """Int8 weights written by :func:`copy_heads` back to float32."""
+    for key in [k for k in state if k.endswith(INT8_SCALE)]:
+        name = key[: -len(INT8_SCALE)]
+        state[name] = state[name].float() * state.pop(key)[:, None]
+    return state
