@@ -340,9 +340,9 @@ def cmd_train_heads(args) -> int:
         if state is not None:
             state.wait_for_everyone()
             data = text if text_only else os.path.join(out, "train.jsonl")
+    text_used = {"paths": [os.path.basename(str(p)) for p in args.text or []], "tokens": text_tokens}
     if text_only:
-        used = {"train_text": {"paths": [os.path.basename(str(p)) for p in args.text], "tokens": text_tokens},
-                "variant": args.kind}
+        used = {"train_text": text_used, "variant": args.kind}
     elif reuse:  # what the answers file holds, by prompt source
         from collections import Counter
 
@@ -357,7 +357,7 @@ def cmd_train_heads(args) -> int:
                                   "questions": len(questions), "docstring_prompts": len(pairs) - len(questions)},
                 "variant": args.kind}
     if args.text and not text_only:
-        used["train_text"] = {"paths": [os.path.basename(str(p)) for p in args.text], "tokens": text_tokens}
+        used["train_text"] = text_used
     res = train_heads(model, data, out, kind=kind, base_name=args.model, num_heads=args.num_heads,
                       num_layers=layers, epochs=args.epochs, lr=args.lr, distill=distill, heldout=args.heldout,
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,

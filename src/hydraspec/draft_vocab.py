@@ -18,6 +18,11 @@ from .errors import HydraspecError
 AUTO_CUT, AUTO_SIZE = 65536, 32768  # by default a vocabulary above AUTO_CUT ids drafts over AUTO_SIZE
 
 
+def auto_size(vocab: int) -> int:
+    """The default cut for a draft vocabulary of ``vocab`` ids (0: none; measured in BENCHMARKS.md)."""
+    return AUTO_SIZE if vocab > AUTO_CUT else 0
+
+
 class DraftVocabHead(nn.Module):
     """An output layer over the ids ``keep`` of a ``vocab``-sized vocabulary; full-size logits, -inf elsewhere."""
 

@@ -740,22 +740,9 @@ def same_tokenizer(a, b) -> bool:
     return (pa / "tokenizer.json").exists() or (pa / "vocab.json").exists() or (pa / "tokenizer.model").exists()
 
 
-def _special_ids(tokenizer, source) -> list[int]:
-    """Token ids a cut draft vocabulary must keep: the special and added tokens and the end tokens."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(source).eos_token_id
-    except Exception:  # no generation_config.json
-        eos = None
+def _special_ids(tokenizer, eos) -> list[int]:
+    """Token ids a cut draft vocabulary must keep: the special and added tokens and the end tokens ``eos``."""
     return list(tokenizer.all_special_ids) + _as_id_list(eos) + list(tokenizer.added_tokens_decoder)
-
-
-def _vocab_size(name: str, quant: str, dtype: str) -> int:
-    from transformers import AutoConfig
-
-    source, _ = _resolve_source(name, "gguf" if quant == "gguf" else dtype, False, False)
-    return AutoConfig.from_pretrained(source).get_text_config(decoder=True).vocab_size
 
 
 def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None,
@@ -767,22 +754,18 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
     ``vocab``: draft over the first ``vocab`` token ids and the special ones only (:mod:`hydraspec.draft_vocab`);
     None: the auto cut of large vocabularies; 0: the whole vocabulary. ``tokenizer``: the target's, shared when
     the draft's tokenizer files are the same (:func:`same_tokenizer`). Returns ``(model, tokenizer)``."""
-    from .draft_vocab import AUTO_CUT, AUTO_SIZE, trim_draft_vocab
-
     if quant in (None, "auto"):
         quant = auto_draft_quant(resolve_quant("auto", name, device)) if loader is None else "none"
     requant = quant not in ("gguf", "none")
     if loader is not None:
+        from .draft_vocab import auto_size, trim_draft_vocab
+
         model, tok = loader(name, dtype=dtype, device=device)
-        if vocab is None:  # auto: cut large vocabularies (measured in BENCHMARKS.md)
-            vocab = AUTO_SIZE if model.get_output_embeddings().out_features > AUTO_CUT else 0
+        vocab = auto_size(model.get_output_embeddings().out_features) if vocab is None else vocab
         if vocab:
-            trim_draft_vocab(model, vocab, list(tok.all_special_ids) + list(_as_id_list(
-                getattr(model.generation_config, "eos_token_id", None))) + list(tok.added_tokens_decoder))
+            trim_draft_vocab(model, vocab, _special_ids(tok, getattr(model.generation_config, "eos_token_id", None)))
     else:  # quantising replaces every Linear: packing their bf16 weights first would be wasted (~1.5 s, 0.5B)
         base = "gguf" if quant == "gguf" or (requant and resolve_quant("auto", name, device) == "gguf") else "none"
-        if vocab is None:  # auto: cut large vocabularies (measured in BENCHMARKS.md)
-            vocab = AUTO_SIZE if _vocab_size(name, base, dtype) > AUTO_CUT else 0
         model, tok = load_model(name, dtype=dtype, device=device, quant=base, prepack=False if requant else None,
                                 draft_vocab=vocab, tokenizer=tokenizer)
     if requant:
@@ -813,7 +796,7 @@ def load_model(
     auto_pull: bool = False,
     progress: bool = True,
     prepack: bool | None = None,
-    draft_vocab: int = 0,
+    draft_vocab: int | None = 0,
     tokenizer=None,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
@@ -826,7 +809,8 @@ def load_model(
     ``.gguf`` file's weights at the file's own precision (:mod:`hydraspec.cpu.gguf`, CPU only; ``dtype``
     is then the activations' dtype), "none" dequantizes them to ``dtype``, "auto" picks (:func:`resolve_quant`).
     ``draft_vocab``: N > 0 cuts the output layer to the first N token ids and the special ones, as a draft
-    model drafts (:mod:`hydraspec.draft_vocab`), before any kernel packing; at the file's precision only those
+    model drafts (:mod:`hydraspec.draft_vocab`; None: its auto cut of large vocabularies), before any kernel
+    packing; at the file's precision only those
     rows of the output tensor are read. ``tokenizer``: one already loaded, returned instead of a second copy
     when this model's tokenizer files are the same bytes as the ones it came from (:func:`same_tokenizer`; for a
     draft model, which never formats a prompt, so its own chat template does not matter).
@@ -858,15 +842,20 @@ def load_model(
         if tokenizer is None or not same_tokenizer(source, getattr(tokenizer, "name_or_path", "")):
             tokenizer = AutoTokenizer.from_pretrained(source)
         keep = None
-        if draft_vocab:
-            from .draft_vocab import kept_ids
+        if draft_vocab != 0:
+            from .draft_vocab import auto_size, kept_ids
 
-            if draft_vocab < 1:
+            if draft_vocab is not None and draft_vocab < 1:
                 raise HydraspecError(f"--draft-vocab must be at least 1, got {draft_vocab}")
-            config = AutoConfig.from_pretrained(source)
-            vocab = config.get_text_config(decoder=True).vocab_size
-            keep = kept_ids(draft_vocab, vocab, _special_ids(tokenizer, source))
-            keep = keep if len(keep) < vocab else None
+            vocab = AutoConfig.from_pretrained(source).get_text_config(decoder=True).vocab_size
+            size = auto_size(vocab) if draft_vocab is None else draft_vocab
+            if size:
+                try:
+                    eos = GenerationConfig.from_pretrained(source).eos_token_id
+                except Exception:  # no generation_config.json
+                    eos = None
+                keep = kept_ids(size, vocab, _special_ids(tokenizer, eos))
+                keep = keep if len(keep) < vocab else None
         if quant == "gguf":
             from .cpu.gguf import build_model
 
