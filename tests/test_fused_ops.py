@@ -1,6 +1,8 @@
-"""The fused small operations of the native CPU kernel (csrc/hs_ops.h): RMSNorm and few-query attention.
+"""The fused small operations of the native CPU kernel (csrc/hs_ops.h): RMSNorm, few-query attention, the
+rotary embedding and the gated MLP's silu(gate) * up.
 
-What they promise beyond speed: the stock RMSNorm's arithmetic (bit for bit in bf16), attention equal
+What they promise beyond speed: the stock RMSNorm's and rotary embedding's arithmetic (bit for bit in
+bf16), the stock gated MLP's up to the last bf16 bit of a SiLU, attention equal
 to the reference math, and attention rows that do not depend on the rows beside them nor on hidden
 keys between the ones they see, which makes a tree verify step compute exactly what sequential
 decoding computes, in bf16 too (the end-to-end check on real weights is in test_real_model.py).
@@ -14,9 +16,13 @@ import torch
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers import Qwen2Config
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
-from hydraspec.cpu import kernels
+from hydraspec.cpu import kernels, mlp, rope
+from hydraspec.cpu import norm as cpu_norm
+from hydraspec.shared_input import Projection, SharedInput
 from hydraspec.cpu.attention import cpu_attention
 
 pytestmark = pytest.mark.skipif(kernels.fused_lib() is None, reason="needs the native CPU kernel (AVX2 + a C compiler)")
@@ -97,7 +103,7 @@ def test_fused_rmsnorm_is_the_stock_arithmetic(cls):
     for dtype in (torch.bfloat16, torch.float32):
         norm = cls(200, eps=1e-5).to(dtype)
         norm.weight.data = torch.randn(200, generator=g).to(dtype)
-        fused = kernels.FusedRMSNorm(norm)
+        fused = cpu_norm.FusedRMSNorm(norm)
         x = (torch.randn(3, 5, 200, generator=g) * 3).to(dtype)
         with torch.inference_mode():
             ref, out = norm(x), fused(x)
@@ -108,7 +114,7 @@ def test_fused_rmsnorm_is_the_stock_arithmetic(cls):
             torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     # with gradients it is the torch formula, and gradients flow
     norm = cls(16)
-    fused = kernels.FusedRMSNorm(norm)
+    fused = cpu_norm.FusedRMSNorm(norm)
     x = torch.randn(2, 16, requires_grad=True)
     fused(x).sum().backward()
     x2 = x.detach().clone().requires_grad_(True)
@@ -119,7 +125,121 @@ def test_fused_rmsnorm_is_the_stock_arithmetic(cls):
 def test_fuse_norms_swaps_llama_kind_norms_only():
     model = nn.Sequential(LlamaRMSNorm(8), GemmaRMSNorm(8), nn.LayerNorm(8), Qwen2RMSNorm(8))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert kernels.fuse_norms(model) == 2
+    assert cpu_norm.fuse_norms(model) == 2
     assert [type(m).__name__ for m in model] == ["FusedRMSNorm", "GemmaRMSNorm", "LayerNorm", "FusedRMSNorm"]
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def rotary_inputs(b, n, h, hk, d, g, cos_rows=None):
+    """q / k as a stock attention layer makes them (transposed views of the projections) and cos / sin of
+    random positions in bf16, with a NaN and an infinity among the inputs."""
+    q = (torch.randn(b, n, h * d, generator=g) * 3).bfloat16().view(b, n, h, d).transpose(1, 2)
+    k = (torch.randn(b, n, hk * d, generator=g) * 3).bfloat16().view(b, n, hk, d).transpose(1, 2)
+    q[0, 0, 0, 1], k[-1, -1, -1, 0] = float("nan"), float("inf")
+    pos = torch.randint(0, 30000, (cos_rows or b, n), generator=g).float()
+    freqs = pos[..., None] / 1e6 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return q, k, emb.cos().bfloat16(), emb.sin().bfloat16()
+
+
+def same_bits(a, b):
+    """Equal bit patterns, NaN for NaN (whatever its sign and payload)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("b,n,h,hk,d,cos_rows", [(1, 1, 12, 2, 128, None), (2, 7, 9, 3, 64, None),
+                                                 (3, 5, 4, 4, 32, 1), (1, 3, 2, 1, 12, None)])
+def test_native_rotary_embedding_is_the_stock_function_bit_for_bit(b, n, h, hk, d, cos_rows):
+    assert rope.fuse_rope(modeling_qwen2.Qwen2Attention(Qwen2Config(num_hidden_layers=1), 0)) == 1
+    assert rope.rope_is_native(modeling_qwen2)
+    native, stock = modeling_qwen2.apply_rotary_pos_emb, modeling_qwen2.apply_rotary_pos_emb.stock
+    q, k, cos, sin = rotary_inputs(b, n, h, hk, d, torch.Generator().manual_seed(b * n + d), cos_rows)
+    with torch.inference_mode():
+        (q1, k1), (q2, k2) = native(q, k, cos, sin), stock(q, k, cos, sin)
+    assert same_bits(q1, q2) and same_bits(k1, k2)
+    assert q1.stride() == q.stride()  # laid out as the input, as the stock result is
+    # a row alone gives what it gives among the others
+    with torch.inference_mode():
+        q3, k3 = native(q[:1, :, -1:], k[:1, :, -1:], cos[:1, -1:], sin[:1, -1:])
+    assert same_bits(q3, q1[:1, :, -1:]) and same_bits(k3, k1[:1, :, -1:])
+
+
+def test_fuse_rope_patches_the_llama_kind_once_and_hands_other_inputs_to_the_stock_function():
+    layer = modeling_qwen2.Qwen2Attention(Qwen2Config(num_hidden_layers=1), 0)
+    rope.fuse_rope(layer)
+    patched = modeling_qwen2.apply_rotary_pos_emb
+    assert rope.fuse_rope(layer) == 1 and modeling_qwen2.apply_rotary_pos_emb is patched  # not wrapped twice
+    assert rope.fuse_rope(nn.Sequential(nn.Linear(2, 2))) == 0  # torch's own modules: nothing to patch
+    q, k, cos, sin = rotary_inputs(2, 3, 4, 2, 16, torch.Generator().manual_seed(5))
+    # float32, and inputs that need gradients, go to the stock function: same values, and gradients flow
+    q32 = q.float().nan_to_num().requires_grad_(True)
+    k32 = k.float().nan_to_num()
+    out = patched(q32, k32, cos.float(), sin.float())
+    ref = patched.stock(q32, k32, cos.float(), sin.float())
+    assert torch.equal(out[0], ref[0]) and out[0].requires_grad
+    out[0].sum().backward()
+    assert q32.grad is not None
+
+
+def silu_mul(g, u):
+    out = torch.empty_like(g)
+    kernels.fused_lib().hs_silu_mul_bf16(g.data_ptr(), g.shape[-1], u.data_ptr(), u.shape[-1], g.shape[0], g.shape[-1],
+                                         out.data_ptr(), 2)
+    return out
+
+
+def test_native_silu_times_up_matches_torch():
+    g = torch.linspace(-86, 86, 300_007).bfloat16().view(1, -1)
+    u = (torch.rand(g.shape, generator=torch.Generator().manual_seed(2)) * 4 - 2).bfloat16()
+    ref = torch.nn.functional.silu(g) * u
+    out = silu_mul(g, u)
+    diff = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert diff.max() <= 1  # at most the last bf16 bit (none differed when this was written)
+    assert (diff == 0).float().mean() > 0.999
+    # each element on its own: one row alone gives what it gives among others
+    rows = (torch.randn(5, 999, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    ups = torch.randn(5, 999, generator=torch.Generator().manual_seed(4)).bfloat16()
+    together = silu_mul(rows, ups)
+    assert all(torch.equal(silu_mul(rows[i:i + 1].clone(), ups[i:i + 1].clone()), together[i:i + 1]) for i in range(5))
+
+
+def joined_mlp(ref: Qwen2MLP) -> Qwen2MLP:
+    """A copy of ``ref`` whose gate and up run as one joined Linear (what GGUF models get at load)."""
+    import copy
+
+    m = copy.deepcopy(ref)
+    inter = m.gate_proj.out_features
+    lin = nn.Linear(m.gate_proj.in_features, 2 * inter, bias=False, dtype=m.gate_proj.weight.dtype)
+    lin.weight.data = torch.cat([m.gate_proj.weight.data, m.up_proj.weight.data])
+    shared = SharedInput(lin, [inter, inter])
+    m.gate_proj, m.up_proj = Projection(shared, 0), Projection(shared, 1)
+    return m
+
+
+def test_fused_gated_mlp_equals_the_stock_module_separate_and_joined():
+    torch.manual_seed(0)
+    ref = Qwen2MLP(Qwen2Config(hidden_size=64, intermediate_size=200, hidden_act="silu")).bfloat16()
+    x = (torch.randn(3, 4, 64) * 2).bfloat16()
+    for stock in (ref, joined_mlp(ref)):
+        keys = set(stock.state_dict())
+        fused = mlp.FusedGatedMLP(stock)
+        assert set(fused.state_dict()) == keys
+        with torch.inference_mode():
+            want, got = stock(x), fused(x)
+            alone = fused(x[1:2, 2:3])
+        assert torch.equal(got, want)
+        assert torch.equal(alone, got[1:2, 2:3])
+    # float32 and training run the stock forward: gradients flow
+    m32 = mlp.FusedGatedMLP(Qwen2MLP(Qwen2Config(hidden_size=8, intermediate_size=16, hidden_act="silu")))
+    m32(torch.randn(2, 8)).sum().backward()
+    assert m32.gate_proj.weight.grad is not None
+
+
+def test_fuse_mlps_takes_silu_mlps_of_the_llama_kind_only():
+    cfg = Qwen2Config(hidden_size=8, intermediate_size=16)
+    gelu = Qwen2MLP(Qwen2Config(hidden_size=8, intermediate_size=16, hidden_act="gelu"))
+    model = nn.ModuleList([Qwen2MLP(cfg), gelu, nn.Linear(2, 2)])
+    assert mlp.fuse_mlps(model) == 1
+    assert [type(m).__name__ for m in model] == ["FusedGatedMLP", "Qwen2MLP", "Linear"]

@@ -1,12 +1,12 @@
 """The one seam between the model-independent layers (heads, training, the bench's report) and the CPU
-backend (hydraspec.cpu.kernels and the native code it builds, hydraspec.cpu.gguf, hydraspec.cpu.attention).
+backend (hydraspec.cpu: kernels and the native code it builds, gguf, attention, norm, rope, mlp).
 Everything above asks here; with the native code off (``HYDRASPEC_NATIVE=0``) or not buildable, every call
 still works on stock torch."""
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["prepack", "unpack", "follow_base", "native_bf16", "describe"]
+__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "native_bf16", "describe"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -30,6 +30,14 @@ def follow_base(lin: nn.Linear, base: nn.Module) -> nn.Module:
     return kernels.PackedLinear(lin) if isinstance(base, kernels.PackedLinear) else lin
 
 
+def fuse_ops(model: nn.Module) -> dict[str, int]:
+    """Put the model's RMSNorms, rotary embedding and gated MLPs on the backend's fused ops where their stock
+    code is Llama's (a no-op without them); returns how many of each."""
+    from .cpu import mlp, norm, rope
+
+    return {"norms": norm.fuse_norms(model), "rope": rope.fuse_rope(model), "mlps": mlp.fuse_mlps(model)}
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX)."""
     from .cpu import kernels
@@ -38,10 +46,11 @@ def native_bf16() -> bool:
 
 
 def describe() -> str:
-    """Which native build runs here ("torch" without one), and whether the fused RMSNorm/attention are on."""
+    """Which native build runs here ("torch" without one), and whether the fused ops (RMSNorm, attention,
+    rotary embedding, gated MLP) are on."""
     from .cpu import kernels
 
     text = kernels.describe()
     if text != "torch" and kernels.fused_lib() is None:
-        text += ", fused ops off"  # HYDRASPEC_FUSED=0: RMSNorm and attention in torch
+        text += ", fused ops off"  # HYDRASPEC_FUSED=0: those ops in torch
     return text

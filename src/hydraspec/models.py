@@ -881,10 +881,6 @@ def load_model(
     if dev != "cpu" and next(model.parameters()).device.type != dev:
         model.to(dev)
     model.eval()
-    if dev == "cpu":
-        from .cpu.kernels import fuse_norms
-
-        fuse_norms(model)
     if prepack or (prepack is None and os.environ.get("HYDRASPEC_PREPACK", "1") != "0"):
         if quant == "gguf":  # q/k/v and gate/up of one format in one kernel call each
             from .cpu.gguf import GGUFLinear, can_concat
@@ -896,6 +892,10 @@ def load_model(
             from .cpu.kernels import prepack as _prepack
 
             _prepack(model)
+    if dev == "cpu":  # after the joins above: the gated MLP reads a joined gate/up output in place
+        from .backend import fuse_ops
+
+        fuse_ops(model)
     if dev == "cpu":
         from .cpu.kernels import release_free_memory
 

@@ -130,6 +130,11 @@ def build_native(isa: str):
                                  i64p, ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 7 + \
                                 [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.hs_attention.restype = ctypes.c_int
+    lib.hs_rope_bf16.argtypes = [ctypes.c_void_p] * 6 + [i64p]
+    lib.hs_rope_bf16.restype = ctypes.c_int
+    lib.hs_silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_int64] * 2 + \
+                                    [ctypes.c_void_p, ctypes.c_int]
+    lib.hs_silu_mul_bf16.restype = ctypes.c_int
     if hasattr(lib, "hs_gguf_apply"):  # GGUF weights (cpu.gguf): the weight's fields in one struct
         lib.hs_gguf_apply.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.hs_gguf_apply.restype = ctypes.c_int
@@ -546,68 +551,6 @@ def fused_lib():
     """The native kernel for the fused small operations (RMSNorm, few-query attention), or None: without
     the kernel, or with HYDRASPEC_FUSED=0 (then torch computes them, as before)."""
     return native_lib() if os.environ.get("HYDRASPEC_FUSED", "1") != "0" else None
-
-
-class FusedRMSNorm(nn.Module):
-    """The Llama/Qwen2/Mistral RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, statistics in
-    fp32) as one native call (``hs_rmsnorm`` in csrc/hs_ops.h) instead of 8 torch operations. Shares the
-    stock module's weight; runs the stock class's own forward when gradients are on, for other dtypes,
-    or without the kernel."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.weight = norm.weight
-        self.variance_epsilon = float(norm.variance_epsilon)
-        self._stock_forward = type(norm).forward  # reads only .weight and .variance_epsilon
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        lib = fused_lib()
-        if (lib is not None and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)
-                and x.is_cpu and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and x.is_contiguous() and x.numel()):  # a Parameter is contiguous
-            y = torch.empty_like(x)
-            lib.hs_rmsnorm(x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                           self.variance_epsilon, x.dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads())
-            return y
-        return self._stock_forward(self, x)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, native"
-
-
-@lru_cache(maxsize=None)
-def _plain_rmsnorm(cls: type) -> bool:
-    """Whether an RMSNorm class computes exactly what FusedRMSNorm does: its forward is, line for line, the
-    Llama one (transformers generates Qwen2's, Mistral's, Qwen3's, SmolLM's ... from it)."""
-    import inspect
-
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    try:
-        return inspect.getsource(cls.forward).strip() == inspect.getsource(LlamaRMSNorm.forward).strip()
-    except (OSError, TypeError):
-        return False
-
-
-def fuse_norms(model: nn.Module) -> int:
-    """Swap every CPU RMSNorm of the Llama kind inside `model` for a FusedRMSNorm (same weight; the
-    state dict does not change). Returns how many; 0 without the native kernel. Other norms (Gemma's
-    ``1 + weight``, LayerNorm) stay as they are."""
-    if fused_lib() is None:
-        return 0
-    todo = []
-    for mod in model.modules():
-        for name, child in mod.named_children():
-            if not hasattr(child, "variance_epsilon"):  # before .weight: some modules compute theirs
-                continue
-            w = getattr(child, "weight", None)
-            if (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.ndim == 1
-                    and _plain_rmsnorm(type(child))):
-                todo.append((mod, name, child))
-    for parent, name, child in todo:
-        setattr(parent, name, FusedRMSNorm(child))
-    return len(todo)
 
 
 def prepack(model: nn.Module) -> int:

@@ -15,7 +15,17 @@
    is computed on its own and every sum over keys runs over them in order, skipping keys the mask
    hides (their weight is exactly 0). So a row's result does not depend on the rows beside it, nor on
    masked-out keys between the ones it sees: a tree node's attention output equals, bit for bit, that
-   of the same token decoded alone after its ancestors. */
+   of the same token decoded alone after its ancestors.
+
+   hs_rope_bf16: transformers' rotate-half rotary embedding (apply_rotary_pos_emb of Llama, Qwen2, Mistral
+   ...) of bf16 q and k in one call: out = x * cos + rotate_half(x) * sin with each product and the sum
+   rounded to bf16, as torch's bf16 operations round them, so the result equals the stock function's bit
+   for bit.
+
+   hs_silu_mul_bf16: silu(gate) * up of a gated MLP (gate and up rows, or the two halves of a joined
+   gate/up output), silu rounded to bf16 before the product as in the stock act_fn(gate) * up. Each
+   element on its own; the exponential is hs_exp_neg's, not torch's, so a value may differ from torch's
+   in its last bf16 bit (and values below 1e-36 in size become zero). */
 #ifndef HS_OPS_H
 #define HS_OPS_H
 #include <math.h>
@@ -209,5 +219,108 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
         free(buf);
     }
     return err ? -1 : 0;
+}
+
+/* 8 fp32 values rounded to bf16 as f2bf rounds them (nearest even; NaN stays a quiet NaN), as fp32 bits */
+static inline __m256i round_bf16_8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7f800000));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+/* One head's row: out[i] = bf(bf(x[i] * c[i]) + bf(r[i] * s[i])), r = (-x[h:], x[:h]), h = D / 2 */
+static inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t* sn, uint16_t* out, int64_t D) {
+    const int64_t h = D / 2;
+    int64_t i = 0;
+    if (h % 8 == 0) {
+        const __m256 neg = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+        for (; i < D; i += 8) {
+            __m256 r = i < h ? _mm256_xor_ps(ld8_bf16(x, i + h), neg) : ld8_bf16(x, i - h);
+            __m256 a = _mm256_castsi256_ps(round_bf16_8(_mm256_mul_ps(ld8_bf16(x, i), ld8_bf16(c, i))));
+            __m256 b = _mm256_castsi256_ps(round_bf16_8(_mm256_mul_ps(r, ld8_bf16(sn, i))));
+            __m256i y = _mm256_srli_epi32(round_bf16_8(_mm256_add_ps(a, b)), 16);
+            _mm_storeu_si128((__m128i*)(out + i),
+                             _mm_packus_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)));
+        }
+    }
+    for (; i < D; i++) {
+        float r = i < h ? -bf2f(x[i + h]) : bf2f(x[i - h]);
+        float a = bf2f(f2bf(bf2f(x[i]) * bf2f(c[i])));
+        float b = bf2f(f2bf(r * bf2f(sn[i])));
+        out[i] = f2bf(a + b);
+    }
+}
+
+/* q [B, Hq, N, D] and k [B, Hk, N, D] with element strides {b, h, n} (d contiguous), written to qo / ko with
+   their own strides; cos / sin [Bc, N, D] with strides {b, n} (Bc 1 or B: a b stride of 0 broadcasts).
+   dims: B, N, D, Hq, Hk, then the strides of q, qo, k, ko (3 each) and of cos / sin (2). */
+int hs_rope_bf16(const uint16_t* q, uint16_t* qo, const uint16_t* k, uint16_t* ko, const uint16_t* cs,
+                 const uint16_t* sn, const int64_t* dims) {
+    const int64_t B = dims[0], N = dims[1], D = dims[2], Hq = dims[3], Hk = dims[4];
+    const int64_t *qs = dims + 5, *qos = dims + 8, *ks = dims + 11, *kos = dims + 14, *cst = dims + 17;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t n = 0; n < N; n++) {
+            const uint16_t* c = cs + b * cst[0] + n * cst[1];
+            const uint16_t* s = sn + b * cst[0] + n * cst[1];
+            for (int64_t h = 0; h < Hq; h++)
+                rope_row(q + b * qs[0] + h * qs[1] + n * qs[2], c, s, qo + b * qos[0] + h * qos[1] + n * qos[2], D);
+            for (int64_t h = 0; h < Hk; h++)
+                rope_row(k + b * ks[0] + h * ks[1] + n * ks[2], c, s, ko + b * kos[0] + h * kos[1] + n * kos[2], D);
+        }
+    return 0;
+}
+
+/* e^x for 8 lanes of x <= 0: hs_exp_neg's range reduction and polynomial, lane by lane */
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 lim = _mm256_set1_ps(-87.0f);
+    const __m256 xc = _mm256_max_ps(x, lim);
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, lim, _CMP_GE_OQ));
+}
+
+/* silu(x) * u for one element, rounded as the vector loop rounds: silu to bf16, then the product */
+static inline uint16_t silu_mul1(float x, float u) {
+    float e = hs_exp_neg(x < 0 ? x : -x); /* e^-|x| */
+    float sg = (x >= 0 ? 1.0f : e) / (1.0f + e);
+    return f2bf(bf2f(f2bf(x * sg)) * u);
+}
+
+/* g, u: [n, I] bf16 rows at row strides gs, us (a joined gate/up output: u = g + I, gs = us = 2I)
+   -> out [n, I] = bf(bf(silu(g)) * u), silu = x * (x >= 0 ? 1 : e) / (1 + e) with e = e^-|x| */
+int hs_silu_mul_bf16(const uint16_t* g, int64_t gs, const uint16_t* u, int64_t us, int64_t n, int64_t I,
+                     uint16_t* out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(n * I >= 65536)
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t* gr = g + r * gs;
+        const uint16_t* ur = u + r * us;
+        uint16_t* o = out + r * I;
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 x = ld8_bf16(gr, i);
+            const __m256 e = exp_neg8(_mm256_or_ps(x, sign)); /* e^-|x| */
+            const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 sg = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+            const __m256 sx = _mm256_castsi256_ps(round_bf16_8(_mm256_mul_ps(x, sg)));
+            const __m256i y = _mm256_srli_epi32(round_bf16_8(_mm256_mul_ps(sx, ld8_bf16(ur, i))), 16);
+            _mm_storeu_si128((__m128i*)(o + i),
+                             _mm_packus_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)));
+        }
+        for (; i < I; i++) o[i] = silu_mul1(bf2f(gr[i]), bf2f(ur[i]));
+    }
+    return 0;
 }
 #endif

@@ -1,0 +1,102 @@
+"""The gated MLP of the stock decoder layers (``down(silu(gate(x)) * up(x))``: Llama, Qwen2, Mistral,
+SmolLM ...; the SwiGLU of Shazeer 2020) with its elementwise part as one native call
+(``hs_silu_mul_bf16`` in csrc/hs_ops.h) instead of two column views, a SiLU and a product.
+
+Where gate and up were joined into one weight (:mod:`hydraspec.shared_input`), the native call reads the
+two halves of the joined output in place. The SiLU is computed as ``x / (1 + e^-x)`` in fp32 and rounded to
+bf16 before the product, as the stock module rounds it; its exponential is not torch's, so a value may
+differ from the stock module's in the last bit of bf16 (tested to stay within that). Every element is
+computed on its own, so a row's result does not depend on the other rows of the forward, and speculative
+decoding stays token for token equal to plain decoding with the same module.
+"""
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from . import kernels
+
+__all__ = ["FusedGatedMLP", "fuse_mlps"]
+
+
+@lru_cache(maxsize=None)
+def _plain_mlp(cls: type) -> bool:
+    """Whether an MLP class's forward is, line for line, Llama's ``down(act(gate(x)) * up(x))``."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    try:
+        return inspect.getsource(cls.forward).strip() == inspect.getsource(LlamaMLP.forward).strip()
+    except (OSError, TypeError):
+        return False
+
+
+def _is_silu(act: nn.Module) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return type(act) in (SiLUActivation, nn.SiLU)
+
+
+def _joined_pair(gate: nn.Module, up: nn.Module):
+    """The joined weight behind gate and up when they are the two halves of one two-part shared input (a
+    :class:`hydraspec.shared_input.Projection` exposes ``shared`` and ``part``; its shared input ``joined``
+    and ``bounds``), else None."""
+    sg, su = getattr(gate, "shared", None), getattr(up, "shared", None)
+    if sg is None or sg is not su or getattr(gate, "part", None) != 0 or getattr(up, "part", None) != 1:
+        return None
+    bounds = getattr(sg, "bounds", None)
+    if bounds is None or len(bounds) != 2 or bounds[0][1] - bounds[0][0] != bounds[1][1] - bounds[1][0]:
+        return None
+    return sg.joined
+
+
+class FusedGatedMLP(nn.Module):
+    """Stands in for a stock gated MLP: the same submodules (so the same state dict), the elementwise part
+    native for bf16 CPU inputs without gradients, the stock class's own forward otherwise."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.intermediate = mlp.down_proj.in_features
+        self._stock_forward = type(mlp).forward  # reads only the four submodules
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
+        if lib is None or x.dtype != torch.bfloat16 or not x.is_cpu or (torch.is_grad_enabled() and x.requires_grad):
+            return self._stock_forward(self, x)
+        inter = self.intermediate
+        joined = _joined_pair(self.gate_proj, self.up_proj)
+        if joined is not None:
+            gu = joined(x)
+            g, u, gs, us = gu, gu[..., inter:], 2 * inter, 2 * inter
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+            gs = us = inter
+        if (g.dtype != torch.bfloat16 or u.dtype != torch.bfloat16 or g.shape[-1] < inter
+                or g.stride(-1) != 1 or u.stride(-1) != 1 or (joined is None and not (g.is_contiguous() and u.is_contiguous()))):
+            return self.down_proj(self.act_fn(g[..., :inter]) * u)  # the stock arithmetic on what was computed
+        n = g.numel() // g.shape[-1]
+        h = torch.empty(*x.shape[:-1], inter, dtype=torch.bfloat16)
+        lib.hs_silu_mul_bf16(g.data_ptr(), gs, u.data_ptr(), us, n, inter, h.data_ptr(), torch.get_num_threads())
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        return "silu(gate) * up native"
+
+
+def fuse_mlps(model: nn.Module) -> int:
+    """Swap every CPU gated MLP of the Llama kind with a SiLU inside ``model`` for a FusedGatedMLP (same
+    submodules, same state dict). Returns how many; 0 without the native kernel."""
+    if kernels.fused_lib() is None:
+        return 0
+    todo = []
+    for mod in model.modules():
+        for name, child in mod.named_children():
+            if (all(isinstance(getattr(child, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+                    and _plain_mlp(type(child)) and _is_silu(child.act_fn)):
+                todo.append((mod, name, child))
+    for parent, name, child in todo:
+        setattr(parent, name, FusedGatedMLP(child))
+    return len(todo)
