@@ -1,11 +1,10 @@
-"""How close plain decoding comes to the memory roofline, ours and llama.cpp's, in one process and run.
+"""Plain decoding's ms per token and the weight bytes per second it reads, ours against llama.cpp's on the
+same GGUF file, interleaved round by round in one run (a machine whose memory speed drifts hits both alike).
 
-For a GGUF model at the file's precision, interleaved round by round on one prompt:
-* stream: torch.sum over every weight buffer a decode step reads (each viewed as float32), 2 threads: the
-  bytes of one token read as fast as torch reads memory;
+For a GGUF model at the file's precision, on one prompt:
 * ours: ms per token of hydraspec's plain decoding (the engine's `ar`, 128 new tokens);
 * llama.cpp: ms per token of `llama-server` on the same file and prompt ids (its own decode timing).
-Prints bytes per token, ms, GB/s and each one's share of the stream's speed.
+Prints the weight bytes of one token (every GGUF matmul's buffers), ms per token and GB/s over them.
 
     python scripts/roofline.py qwen2.5-coder-1.5b-instruct [--rounds 4] [--tokens 128]
 """
@@ -39,17 +38,8 @@ try:
     gen = SpeculativeGenerator(model, tok)
     ids = gen.encode(a.prompt)
     # the weights one token reads: every GGUF matmul's buffers (the token table is read one row at a time)
-    bufs = [b for n, m in model.named_modules() if isinstance(m, GGUFLinear) and not n.endswith("table")
-            for b in m._buffers.values() if b is not None and b.numel() * b.element_size() % 4 == 0]
-    nbytes = sum(b.numel() * b.element_size() for b in bufs)
-    views = [b.view(-1).view(torch.float32) if b.dtype != torch.float32 else b.view(-1) for b in bufs]
-
-    def stream() -> float:
-        t = time.perf_counter()
-        for v in views:
-            v.sum()
-        return (time.perf_counter() - t) * 1e3
-
+    nbytes = sum(b.numel() * b.element_size() for n, m in model.named_modules()
+                 if isinstance(m, GGUFLinear) and not n.endswith("table") for b in m._buffers.values() if b is not None)
     def ours() -> float:
         s = gen.generate(input_ids=ids, max_new_tokens=a.tokens)
         return (s.stats.wall_s - s.stats.prefill_s) / s.stats.target_forwards * 1e3
@@ -68,7 +58,7 @@ try:
         req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
         return json.loads(urllib.request.urlopen(req).read())["timings"]["predicted_per_token_ms"]
 
-    runs = {"stream": stream, "hydraspec ar": ours, "llama.cpp": llama}
+    runs = {"hydraspec ar": ours, "llama.cpp": llama}
     for f in runs.values():
         f() if f is not ours else gen.generate(input_ids=ids, max_new_tokens=8)  # warm-up
     ms = {k: [] for k in runs}
@@ -79,9 +69,8 @@ try:
 finally:
     server.terminate()
 print(f"{a.model}: {nbytes / 1e6:.0f} MB of GGUF weights per token (ours; llama.cpp reads the file's blocks)")
-print("| | ms per token | GB/s over these bytes | share of the stream's speed |\n|---|---:|---:|---:|")
-base = statistics.median(ms["stream"])
+print("| | ms per token (median) | GB/s over these bytes |\n|---|---:|---:|")
 for k, v in ms.items():
     m = statistics.median(v)
-    print(f"| {k} | {m:.2f} | {nbytes / m / 1e6:.1f} | {base / m:.0%} |")
+    print(f"| {k} | {m:.2f} | {nbytes / m / 1e6:.1f} |")
 print("rounds:", {k: [round(x, 1) for x in v] for k, v in ms.items()})
