@@ -4,9 +4,10 @@ Everything above asks here; with the native code off (``HYDRASPEC_NATIVE=0``) or
 still works on stock torch."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "native_bf16", "describe"]
+__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "describe"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -36,6 +37,14 @@ def fuse_ops(model: nn.Module) -> dict[str, int]:
     from .cpu import mlp, norm, rope
 
     return {"norms": norm.fuse_norms(model), "rope": rope.fuse_rope(model), "mlps": mlp.fuse_mlps(model)}
+
+
+def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] -> int8 codes and one fp32 scale per row (symmetric, absmax / 127), as the int8 kernels
+    hold their weights."""
+    from .cpu import kernels
+
+    return kernels.int8_per_row(weight)
 
 
 def native_bf16() -> bool:

@@ -312,7 +312,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
-def _int8_per_output(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] weight -> int8 values and one fp32 scale per output (symmetric, absmax/127)."""
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
@@ -329,7 +329,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         with torch.no_grad():
-            q, scale = _int8_per_output(lin.weight)
+            q, scale = int8_per_row(lin.weight)
             pad = (-self.out_features) % PACK_BLOCK
             qp = torch.cat([q, q.new_zeros(pad, self.in_features)]) if pad else q
             self.register_buffer("qweight", qp.view(-1, PACK_BLOCK, self.in_features).transpose(1, 2).contiguous())
@@ -386,7 +386,7 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         with torch.no_grad():
-            q, scale = _int8_per_output(lin.weight)
+            q, scale = int8_per_row(lin.weight)
             pad_o, pad_i = (-self.out_features) % PACK_BLOCK, (-self.in_features) % 4
             qp = nn.functional.pad(q, (0, pad_i, 0, pad_o))
             in4 = qp.shape[1] // 4

@@ -11,26 +11,20 @@ decoding stays token for token equal to plain decoding with the same module.
 """
 from __future__ import annotations
 
-import inspect
-from functools import lru_cache
-
 import torch
 from torch import nn
 
 from . import kernels
+from .stock import same_source
 
 __all__ = ["FusedGatedMLP", "fuse_mlps"]
 
 
-@lru_cache(maxsize=None)
 def _plain_mlp(cls: type) -> bool:
-    """Whether an MLP class's forward is, line for line, Llama's ``down(act(gate(x)) * up(x))``."""
+    """Whether an MLP class's forward is Llama's ``down(act(gate(x)) * up(x))``."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    try:
-        return inspect.getsource(cls.forward).strip() == inspect.getsource(LlamaMLP.forward).strip()
-    except (OSError, TypeError):
-        return False
+    return same_source(cls.forward, LlamaMLP.forward)
 
 
 def _is_silu(act: nn.Module) -> bool:
@@ -61,25 +55,34 @@ class FusedGatedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
         self.intermediate = mlp.down_proj.in_features
         self._stock_forward = type(mlp).forward  # reads only the four submodules
+        # (gate, up) as last seen and the joined weight behind them; plain attributes, not submodules
+        object.__setattr__(self, "_pair", None)
+        object.__setattr__(self, "_joined", None)
+
+    def _joined_weight(self):
+        """The joined gate/up weight, looked up again only when gate or up has been replaced."""
+        pair = (self.gate_proj, self.up_proj)
+        if self._pair is None or pair[0] is not self._pair[0] or pair[1] is not self._pair[1]:
+            object.__setattr__(self, "_pair", pair)
+            object.__setattr__(self, "_joined", _joined_pair(*pair))
+        return self._joined
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
         if lib is None or x.dtype != torch.bfloat16 or not x.is_cpu or (torch.is_grad_enabled() and x.requires_grad):
             return self._stock_forward(self, x)
         inter = self.intermediate
-        joined = _joined_pair(self.gate_proj, self.up_proj)
-        if joined is not None:
-            gu = joined(x)
-            g, u, gs, us = gu, gu[..., inter:], 2 * inter, 2 * inter
+        joined = self._joined_weight()
+        if joined is not None:  # gate and up: the two halves of one output, read in place
+            g = joined(x)
+            u, stride = g[..., inter:], 2 * inter
         else:
-            g, u = self.gate_proj(x), self.up_proj(x)
-            gs = us = inter
-        if (g.dtype != torch.bfloat16 or u.dtype != torch.bfloat16 or g.shape[-1] < inter
-                or g.stride(-1) != 1 or u.stride(-1) != 1 or (joined is None and not (g.is_contiguous() and u.is_contiguous()))):
+            g, u, stride = self.gate_proj(x), self.up_proj(x), inter
+        if not (g.dtype == u.dtype == torch.bfloat16 and g.is_contiguous() and (joined is not None or u.is_contiguous())):
             return self.down_proj(self.act_fn(g[..., :inter]) * u)  # the stock arithmetic on what was computed
-        n = g.numel() // g.shape[-1]
         h = torch.empty(*x.shape[:-1], inter, dtype=torch.bfloat16)
-        lib.hs_silu_mul_bf16(g.data_ptr(), gs, u.data_ptr(), us, n, inter, h.data_ptr(), torch.get_num_threads())
+        lib.hs_silu_mul_bf16(g.data_ptr(), stride, u.data_ptr(), stride, g.numel() // g.shape[-1], inter, h.data_ptr(),
+                             torch.get_num_threads())
         return self.down_proj(h)
 
     def extra_repr(self) -> str:

@@ -4,12 +4,11 @@ module's (statistics in fp32, the normalised row rounded to the input dtype befo
 it), so the result equals the stock module's (tested)."""
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from torch import nn
 
 from . import kernels
+from .stock import same_source
 
 __all__ = ["FusedRMSNorm", "fuse_norms"]
 
@@ -42,18 +41,11 @@ class FusedRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, native"
 
 
-@lru_cache(maxsize=None)
 def _plain_rmsnorm(cls: type) -> bool:
-    """Whether an RMSNorm class computes exactly what FusedRMSNorm does: its forward is, line for line, the
-    Llama one (transformers generates Qwen2's, Mistral's, Qwen3's, SmolLM's ... from it)."""
-    import inspect
-
+    """Whether an RMSNorm class computes exactly what FusedRMSNorm does: its forward is Llama's."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    try:
-        return inspect.getsource(cls.forward).strip() == inspect.getsource(LlamaRMSNorm.forward).strip()
-    except (OSError, TypeError):
-        return False
+    return same_source(cls.forward, LlamaRMSNorm.forward)
 
 
 def fuse_norms(model: nn.Module) -> int:

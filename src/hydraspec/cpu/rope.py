@@ -11,30 +11,23 @@ stock function's bit for bit (tested); nothing a model computes changes, only th
 from __future__ import annotations
 
 import ctypes
-import inspect
 import sys
-from functools import lru_cache
 
 import torch
 
 from . import kernels
+from .stock import same_source
 
 __all__ = ["fuse_rope", "rope_is_native"]
 
-@lru_cache(maxsize=None)
-def _stock_rope_source() -> tuple[str, str]:
-    from transformers.models.llama import modeling_llama as ml
-
-    return inspect.getsource(ml.apply_rotary_pos_emb).strip(), inspect.getsource(ml.rotate_half).strip()
-
 
 def _is_plain_rope(module) -> bool:
-    """Whether a modeling module's apply_rotary_pos_emb / rotate_half are, line for line, Llama's."""
-    try:
-        fn, rot = module.apply_rotary_pos_emb, module.rotate_half
-        return (inspect.getsource(fn).strip(), inspect.getsource(rot).strip()) == _stock_rope_source()
-    except (AttributeError, OSError, TypeError):
-        return False
+    """Whether a modeling module's apply_rotary_pos_emb and rotate_half are Llama's."""
+    from transformers.models.llama import modeling_llama as ml
+
+    fn, rot = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
+    ref = getattr(ml.apply_rotary_pos_emb, "stock", ml.apply_rotary_pos_emb)  # Llama's may be patched already
+    return fn is not None and rot is not None and same_source(fn, ref) and same_source(rot, ml.rotate_half)
 
 
 _BF16 = torch.bfloat16

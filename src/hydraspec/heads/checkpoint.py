@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..backend import int8_per_row
 from ..errors import HydraspecError
 from .modules import KINDS, Heads
 
@@ -144,9 +145,7 @@ def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
         if not v.is_floating_point():
             out[k] = v
         elif dtype == "int8" and v.ndim == 2:
-            scale = (v.float().abs().amax(1) / 127).clamp_min(1e-12)
-            out[k] = torch.round(v.float() / scale[:, None]).to(torch.int8)
-            out[k + INT8_SCALE] = scale
+            out[k], out[k + INT8_SCALE] = int8_per_row(v)
         else:
             out[k] = v.to(torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
     save_file({k: v.contiguous() for k, v in out.items()}, str(d / "heads.safetensors"))
