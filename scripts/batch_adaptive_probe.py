@@ -1,11 +1,12 @@
-"""A batch of 4 chat prompts (ShareGPT 20-23, first turns, 64 new tokens) on the Qwen2.5-Coder-1.5B GGUF: `ar`
-against `pld` under the server's adaptive rule (hydraspec.adaptive), twice each, in one process; prints tokens/s, the
-verify time of the 4-row steps and the rule's draft length per number of rows.
+"""Batched decoding under the server's adaptive rule (hydraspec.adaptive) on the Qwen2.5-Coder-1.5B GGUF:
+`ar` against `pld` with packed verification and with padded rows, interleaved in one process, on the first
+turns of the serving benchmark's prompts (ShareGPT and HumanEval 20-23). Prints tokens/s per run and the rule's
+state.
 
-    python scripts/batch_adaptive_probe.py
+    python scripts/batch_adaptive_probe.py --rows 8 --rounds 2
 """
+import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -15,29 +16,37 @@ from hydraspec.adaptive import AdaptiveDraft, measure_verify_cost
 from hydraspec.batch import BatchGenerator
 from hydraspec.models import load_model
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+ap.add_argument("--rows", type=int, default=8)
+ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--max-new-tokens", type=int, default=128)
+ap.add_argument("--methods", default="ar,pld,pld-padded")
+args = ap.parse_args()
+
 torch.set_num_threads(2)
-model, tok = load_model("qwen2.5-coder-1.5b-instruct", quant="gguf", progress=False)
-qs = [json.loads(l) for l in open("benchmarks/prompts/sharegpt.jsonl")][20:24]
-prompts = [[{"role": "user", "content": q["turns"][0]}] for q in qs]
+model, tok = load_model(args.model, quant="gguf", progress=False)
+prompts = []
+for name in ("sharegpt", "humaneval"):
+    qs = [json.loads(line) for line in open(f"benchmarks/prompts/{name}.jsonl")][20:24]
+    prompts += [[{"role": "user", "content": q["turns"][0]}] for q in qs]
 cost = measure_verify_cost(model)
-print("cost ms", {n: round(s * 1e3, 1) for n, s in cost.items()})
-for method in ("ar", "pld", "ar", "pld"):
-    bg = BatchGenerator(model, tok, make_drafter(method))
-    log = []
-    ad = AdaptiveDraft(cost, 10) if method == "pld" else None
-    orig_engine = bg.engine
-    def engine(*a, **k):
-        e = orig_engine(*a, **k)
-        step = e.step
-        def spy():
-            t = time.perf_counter(); d = step()
-            log.append((e.last_rows, time.perf_counter() - t, getattr(e, "last_verify_s", 0.0)))
-            return d
-        e.step = spy
-        return e
-    bg.engine = engine
-    r = bg.generate(prompts, max_new_tokens=64, batch_size=4, adaptive=ad)
-    toks = sum(len(x.token_ids) for x in r.results)
-    steps4 = [x for x in log if x[0] == 4]
-    print(method, f"{toks / r.wall_s:.1f} tok/s, {len(log)} steps, 4-row steps: mean step {statistics.mean(s[1] for s in steps4) * 1e3:.1f} ms, verify {statistics.mean(s[2] for s in steps4) * 1e3:.1f} ms",
-          "" if ad is None else ad.describe())
+print("verify cost ms", {n: round(s * 1e3, 1) for n, s in cost.items()})
+for rnd in range(args.rounds):
+    for method in args.methods.split(","):
+        drafter = make_drafter(method.split("-")[0])
+        bg = BatchGenerator(model, tok, drafter)
+        rule = None if method == "ar" else AdaptiveDraft(cost, drafter.max_nodes, cheap=drafter.cheap)
+        make_engine = bg.engine
+
+        def engine(*a, _make=make_engine, _method=method, **k):
+            e = _make(*a, **k)
+            e.packed = e.packed and not _method.endswith("padded")
+            return e
+        bg.engine = engine
+        t = time.perf_counter()
+        r = bg.generate(prompts, max_new_tokens=args.max_new_tokens, batch_size=args.rows, adaptive=rule)
+        wall = time.perf_counter() - t
+        toks = sum(len(x.token_ids) for x in r.results)
+        print(f"round {rnd} {method}: {toks / wall:.2f} tokens/s ({toks} tokens, {wall:.1f} s, {r.target_forwards} "
+              f"verify forwards)" + ("" if rule is None else f"; {rule.describe()}"), flush=True)

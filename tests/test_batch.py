@@ -156,6 +156,27 @@ def test_verify_budget_cuts_drafts_not_outputs(method, tok):
         gen.generate_batch(input_ids=prompts, max_new_tokens=4, verify_budget=1)
 
 
+@pytest.mark.parametrize("method", ["pld", "draft-tree", "medusa", "pld+hydra++"])
+def test_packed_rows_equal_batch_of_one(method, tok):
+    """On the backend's attention the engine verifies every row's tree as one packed sequence (no padding
+    nodes); each row still produces what it produces alone, with the same acceptance step by step."""
+    model = tiny.cached_model("llama", "hydraspec_cpu", SEED)
+    prompts = ragged_prompts()
+    gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model))
+    alone = [gen.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
+    spy = BatchSizes(model)
+    try:
+        res = gen.generate_batch(input_ids=prompts, max_new_tokens=N_NEW)
+    finally:
+        spy.close()
+    for i, (r, a) in enumerate(zip(res, alone)):
+        assert r.token_ids == a.token_ids == tiny.hf_greedy(model, prompts[i], N_NEW), (method, i)
+        assert r.stats.accept_hist == a.stats.accept_hist, (method, i)
+    # every verify forward of several rows holds their trees as one sequence
+    assert spy.verify_shapes[0][0] == 1 and spy.verify_shapes[0][1] >= len(prompts)
+    assert all(b == 1 for b, _ in spy.verify_shapes)
+
+
 @pytest.mark.parametrize("family,attn,seed", [("llama", "eager", 2), ("qwen2", "sdpa", 3), ("mistral", "sdpa", 4),
                                               ("gemma", "sdpa", 5)])
 def test_other_families_and_one_token_prompts(family, attn, seed, tok):

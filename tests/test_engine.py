@@ -11,12 +11,12 @@ import torch
 
 import tiny
 from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
-from hydraspec.cache import new_cache
+from hydraspec.cache import allocate_rows, new_cache, prefill_rows, use_rows
 from hydraspec.drafters.draft_model import DraftModelDrafter
 from hydraspec.drafters.prompt_lookup import PromptLookupDrafter
 from hydraspec.inputs import eos_ids
 from hydraspec.tree import DraftTree, chain, load_tree_spec, parents_from_paths, shape_of
-from hydraspec.verify import forward_nodes
+from hydraspec.verify import can_pack, forward_nodes, verify_rows
 
 # (family, attention implementation, weight seed)
 CASES = [
@@ -270,6 +270,52 @@ def test_tree_forward_and_compaction_match_sequential(family, attn, seed):
         nxt = rng.randrange(V)
         lg, _ = forward_nodes(model, cache, torch.tensor([nxt]), torch.tensor([len(seq)]), None, len(seq))
         torch.testing.assert_close(lg[-1], tiny.full_logits(model, seq + [nxt])[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,seed", [("qwen2", 6), ("gemma", 7)])
+def test_packed_verify_equals_each_rows_own_forward(family, seed):
+    """verify_rows packed (every row's tree in one sequence, as the engine runs on the backend's attention):
+    each row's node logits equal a cache-free forward of its row's prefix plus the node's path, the padded
+    layout gives the same, and the cache holds each row's nodes at its slots."""
+    model = tiny.cached_model(family, "hydraspec_cpu", seed)
+    assert can_pack(model) and not can_pack(tiny.cached_model(family, "sdpa", seed - 2))
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    prefixes = [[rng.randrange(V) for _ in range(n)] for n in (3, 11, 1, 7)]
+    results = {}
+    for packed in (True, False):
+        cache = new_cache(model, 64)
+        allocate_rows(cache, model, len(prefixes))
+        prefill_rows(model, cache, 0, prefixes)
+        use_rows(cache, 0, len(prefixes))
+        rng2 = random.Random(seed + 1)
+        nodes, shapes = [], []
+        for b in range(len(prefixes)):
+            n = rng2.choice([1, 2, 5, 9])  # trees of different sizes, one of them the pending token alone
+            shapes.append(shape_of((-1,) + tuple(p + 1 for p in random_bfs_parents(n - 1, rng2, multi_root=b % 2 == 0))
+                                   if n > 1 else (-1,)))
+            nodes.append([rng2.randrange(V) for _ in range(n)])
+        spy = []
+        hook = model.register_forward_pre_hook(lambda m, a, kw: spy.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        try:
+            logits, hidden, first = verify_rows(model, cache, nodes, shapes, [len(p) for p in prefixes], True, packed)
+        finally:
+            hook.remove()
+        total = sum(len(x) for x in nodes)
+        assert spy == [(1, total)] if packed else spy == [(len(prefixes), max(map(len, nodes)))]
+        for b, (prefix, row, shape) in enumerate(zip(prefixes, nodes, shapes)):
+            for i in range(len(row)):
+                ref = tiny.full_logits(model, prefix + [row[j] for j in shape.path_to(i)])[-1]
+                torch.testing.assert_close(logits[first[b] + i], ref, atol=1e-4, rtol=1e-4)
+        W = max(map(len, prefixes))
+        results[packed] = (logits, hidden, first, [(layer.k_buf.clone(), layer.v_buf.clone()) for layer in cache.layers])
+    (lp, hp, fp, cp), (lq, hq, fq, cq) = results[True], results[False]
+    for b, row in enumerate(nodes):
+        torch.testing.assert_close(lp[fp[b]:fp[b] + len(row)], lq[fq[b]:fq[b] + len(row)], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hp[fp[b]:fp[b] + len(row)], hq[fq[b]:fq[b] + len(row)], atol=1e-5, rtol=1e-5)
+        for (kp, vp), (kq, vq) in zip(cp, cq):
+            torch.testing.assert_close(kp[b, :, :W + len(row)], kq[b, :, :W + len(row)], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(vp[b, :, :W + len(row)], vq[b, :, :W + len(row)], atol=1e-5, rtol=1e-5)
 
 
 def test_keep_identity_and_empty_paths():

@@ -252,6 +252,27 @@ def test_adaptive_rule_drafts_less_when_verify_cost_grows():
         assert AdaptiveDraft({1: 1.0, 2: 1.0}, 3).best_k(4, 0.0) == 0  # nothing is ever accepted
 
 
+def test_adaptive_rule_widths_per_row():
+    """After drafting, the rule cuts each row's proposal to what pays for its verify tokens: packed, a row that
+    accepts well keeps more than one that rarely does (and a row that proposed nothing costs nothing);
+    padded, one common length; nothing when extra tokens cost as much as whole steps."""
+    from types import SimpleNamespace
+
+    from hydraspec.adaptive import AdaptiveDraft
+
+    cost = {1: 1.0, 4: 1.0, 8: 1.2, 16: 2.0, 32: 4.0}  # 8 tokens cheap, then 0.1 a token
+    rule = AdaptiveDraft(cost, 8, engine=SimpleNamespace(packed=True, rate=lambda: 0.5), cheap=True)
+    keep = rule.widths(4, [8, 8, 0, 3], [0.95, 0.3, 0.9, 0.9])
+    assert keep[0] > keep[1] and keep[2] == 0 and keep[3] == 3 and sum(keep) <= 12
+    assert rule.widths(4, [0, 0, 0, 0], [0.9] * 4) == [0, 0, 0, 0]
+    assert rule(4) == 8  # a cheap drafter always proposes; widths() then cuts
+    padded = AdaptiveDraft(cost, 8, engine=SimpleNamespace(packed=False, rate=lambda: 0.5))
+    keep = padded.widths(4, [8, 8, 0, 3], [0.95, 0.3, 0.9, 0.9])
+    assert len(set(k for k, n in zip(keep, [8, 8, 0, 3]) if k < n)) <= 1 and max(keep) <= 1  # 4 rows x 2 = 8
+    steep = AdaptiveDraft({1: 1.0, 2: 2.0, 4: 4.0}, 8, engine=SimpleNamespace(packed=True, rate=lambda: 0.5))
+    assert steep.widths(2, [5, 5], [0.99, 0.99]) == [0, 0]
+
+
 def test_adaptive_rule_stops_drafting_where_the_clock_says_it_loses():
     """The cost model says draft; the measured steps say drafting is slower at 4 rows and faster at 1: after a
     few probes the rule decodes plainly at 4 rows (still probing now and then) and keeps drafting at 1."""

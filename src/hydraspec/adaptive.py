@@ -3,12 +3,18 @@
 With R running rows each drafting k tokens, one verify forward holds R (k + 1) tokens and costs c(R (k + 1))
 (measured at start-up: one forward over 1, 2, 4, ... 32 new tokens after a short prefix; linear between and
 beyond the points). If each drafted token is accepted with probability a given the ones before it, a row
-emits on average (1 - a^(k+1)) / (1 - a) tokens per step. The rule picks the k in 0..k_max that maximises
-R (1 - a^(k+1)) / (1 - a) / c(R (k + 1)), the expected tokens per second of the whole batch; k = 0 (plain
-decoding) wins when the forward's cost grows faster than acceptance pays, and unless drafting is expected to
-beat it by PAY_MARGIN (the model leaves out per-row drafting and acceptance work, which grows with the rows).
-``a`` is estimated online from the engine's own counts (accepted drafts and misses), starting from a prior
-of 0.5 worth 20 draws.
+emits on average (1 - a^(k+1)) / (1 - a) tokens per step. Before drafting, the rule picks the k in 0..k_max
+that maximises R (1 - a^(k+1)) / (1 - a) / c(R (k + 1)), the expected tokens per second of the whole batch;
+k = 0 (plain decoding) wins when the forward's cost grows faster than acceptance pays, and unless drafting is
+expected to beat it by PAY_MARGIN (the model leaves out per-row drafting and acceptance work, which grows with
+the rows). A drafter whose proposals cost next to nothing (prompt lookup) always gets k_max here.
+
+After drafting, :meth:`AdaptiveDraft.widths` cuts each row's actual proposal with each row's own rate a_b
+(its own counts, with the engine's rate as prior): where the engine verifies rows packed (each row's nodes
+cost only themselves) the i-th draft of row b is worth a_b^i and the rule keeps the drafts worth most as
+long as expected tokens per second still grow; with padded rows it picks one common length. So in a full
+batch the rows whose lookups keep hitting still draft, and the others cost nothing. ``a`` starts from a
+prior of 0.5 worth 20 draws (hydraspec.engine).
 
 The model is then checked against the clock: the engine reports every step's wall time and emitted tokens
 (:meth:`AdaptiveDraft.observe`), and per number of rows the rule keeps the tokens per second of the steps that
@@ -27,8 +33,8 @@ import torch
 from transformers import DynamicCache
 
 from .cache import text_config
+from .engine import PRIOR_RATE
 
-PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
 PAY_MARGIN = 1.15
 PROBE_EVERY, MIN_STEPS, EWMA_STEPS = 10, 8, 32
 SIZES = (1, 2, 4, 8, 16, 32)
@@ -60,9 +66,10 @@ class AdaptiveDraft:
     """draft_cap(rows) for the engine: the rule of the module docstring over measured costs ``cost``
     ({tokens: seconds}) and the engine's acceptance counts (``engine`` is read at every call)."""
 
-    def __init__(self, cost: dict[int, float], k_max: int, engine=None, check: bool = True):
+    def __init__(self, cost: dict[int, float], k_max: int, engine=None, check: bool = True, cheap: bool = False):
         self.points = sorted(cost.items())
         self.k_max = max(0, int(k_max))
+        self.cheap = cheap
         self.engine = engine
         self.check = check
         self.last: dict[int, int] = {}
@@ -81,9 +88,11 @@ class AdaptiveDraft:
         return y1 + (y1 - y0) / (x1 - x0) * (n - x1)
 
     def rate(self) -> float:
-        e = self.engine
-        acc, miss = (e.accepted_drafts, e.draft_misses) if e is not None else (0, 0)
-        return (acc + PRIOR_RATE * PRIOR_WEIGHT) / (acc + miss + PRIOR_WEIGHT)
+        return self.engine.rate() if self.engine is not None else PRIOR_RATE
+
+    @property
+    def packed(self) -> bool:
+        return bool(getattr(self.engine, "packed", False))
 
     def best_k(self, rows: int, a: float | None = None) -> int:
         a = min(self.rate() if a is None else a, 0.999)
@@ -95,8 +104,35 @@ class AdaptiveDraft:
                 best, best_k = gain, k
         return best_k
 
+    def widths(self, rows: int, lengths: list[int], rates: list[float]) -> list[int]:
+        """How many of its ``lengths[b]`` proposed nodes row b keeps this step, given each row's acceptance
+        rate: the choice with the most expected tokens per second of the verify forward (see the module
+        docstring), or none where plain decoding is expected to win by PAY_MARGIN. Packed verification
+        (each row's nodes cost only themselves): rows keep different lengths, the i-th draft of row b
+        being worth rate_b ** i. Padded: one common length."""
+        if not any(lengths):
+            return list(lengths)
+        rates = [min(max(a, 0.0), 0.999) for a in rates]
+        best, keep = rows / self.cost(rows) * PAY_MARGIN, [0] * rows
+        if self.packed:
+            worth = sorted(((a ** i, b) for b, (a, n) in enumerate(zip(rates, lengths)) for i in range(1, n + 1)),
+                           reverse=True)
+            value, count = float(rows), 0
+            for j, (w, _) in enumerate(worth):
+                value += w
+                if value / self.cost(rows + j + 1) > best * 1.0001:
+                    best, count = value / self.cost(rows + j + 1), j + 1
+            for _, b in worth[:count]:
+                keep[b] += 1
+            return keep
+        for m in range(1, max(lengths) + 1):
+            value = sum((1 - a ** (min(n, m) + 1)) / (1 - a) for a, n in zip(rates, lengths))
+            if value / self.cost(rows * (m + 1)) > best * 1.0001:
+                best, keep = value / self.cost(rows * (m + 1)), [min(n, m) for n in lengths]
+        return keep
+
     def __call__(self, rows: int) -> int:
-        k = self.best_k(rows)
+        k = self.k_max if self.cheap else self.best_k(rows)
         if k and self.check:
             n = self.calls[rows] = self.calls.get(rows, 0) + 1
             if self.drafting_loses(rows):

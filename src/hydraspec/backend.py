@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "describe"]
+__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -45,6 +45,15 @@ def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from .cpu import kernels
 
     return kernels.int8_per_row(weight)
+
+
+def packed_keyword(model: nn.Module) -> str | None:
+    """The model-call keyword that runs a packed forward (several cached sequences' new tokens as one
+    sequence, see hydraspec.cpu.attention.packed_attention) where the model runs the backend's attention;
+    None where it cannot."""
+    from .cpu import attention
+
+    return attention.PACKED if getattr(model.config, "_attn_implementation", None) == attention.NAME else None
 
 
 def native_bf16() -> bool:

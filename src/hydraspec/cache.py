@@ -18,6 +18,7 @@ class SlotLayer(CacheLayerMixin):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.packing: tuple[torch.Tensor, torch.Tensor, int] | None = None  # see set_packing
 
     def lazy_initialization(self, key_states, value_states):
         b, h, _, d = key_states.shape
@@ -30,12 +31,18 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
+        n = key_states.shape[-2] if self.packing is None else self.packing[2]
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
-        self.k_buf[:, :, self.length:end] = key_states
-        self.v_buf[:, :, self.length:end] = value_states
+        if self.packing is None:
+            self.k_buf[:, :, self.length:end] = key_states
+            self.v_buf[:, :, self.length:end] = value_states
+        else:  # packed tokens [1, H, T, d] to their rows' slots; the padding slots are zeroed
+            rows, slots, _ = self.packing
+            for buf, new in ((self.k_buf, key_states), (self.v_buf, value_states)):
+                buf[:, :, self.length:end] = 0
+                buf[rows, :, self.length + slots] = new[0].transpose(0, 1)
         self.length = end
         self.keys = self.k_buf[:, :, :end]
         self.values = self.v_buf[:, :, :end]
@@ -133,6 +140,15 @@ def set_length(cache, n: int) -> None:
     """Set every layer's write pointer: the next forward writes at slot ``n`` of every row."""
     for layer in cache.layers:
         layer.length = n
+
+
+def set_packing(cache, rows: torch.Tensor | None = None, slots: torch.Tensor | None = None, n: int = 0) -> None:
+    """The next forward is packed: its T tokens (one sequence) belong to cache rows ``rows`` [T] at slots
+    write pointer + ``slots`` [T], and every row's write pointer advances by ``n``. ``rows=None``: back to
+    the usual one-sequence-per-row writes."""
+    packing = None if rows is None else (rows, slots, n)
+    for layer in cache.layers:
+        layer.packing = packing
 
 
 def compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -34,13 +34,16 @@ from typing import Callable
 import torch
 
 from .accept import ACCEPTORS, fit_vocab
-from .cache import allocate_rows, compact, new_cache, prefill_rows, select_rows, set_length, use_rows
+from .cache import allocate_rows, compact, new_cache, prefill_rows, select_rows, use_rows
 from .drafters.base import DecodeState, Drafter, NoDrafter
 from .errors import HydraspecError
 from .results import GenerationResult, Stats
 from .sampling import Sampling
 from .tree import DraftTree, shape_of
-from .verify import ragged_mask
+from .verify import can_pack, verify_rows
+
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
+ROW_PRIOR_WEIGHT = 4.0
 
 __all__ = ["Request", "Engine", "cancelled_result", "stop_at", "trim_after_stop"]
 
@@ -79,6 +82,8 @@ class _Row:
     length: int = 0  # this row's cache length L_b
     done: bool = False
     t_start: float = 0.0  # when the row was admitted (its latency runs from here)
+    accepted_drafts: int = 0  # this row's share of the engine's counts below
+    draft_misses: int = 0
     hidden_log: list | None = None  # keep_hidden: the target's last hidden states, in position order
 
 
@@ -96,13 +101,13 @@ class Engine:
     def __init__(self, model, tokenizer, drafter: Drafter | None, eos: set[int], *, rows: int, capacity: int,
                  acceptor: str | None = None, typical: dict | None = None,
                  trees: list[tuple[int, Drafter]] | None = None, verify_budget: int | None = None,
-                 draft_cap: Callable[[int], int] | None = None, keep_hidden: bool = False):
+                 draft_cap: Callable[[int], int] | None = None, keep_hidden: bool = False, packed: bool = True):
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos)
         self.drafter = drafter or NoDrafter()
         self.acceptor, self.typical = acceptor, typical or {}
         self.trees = trees or []
         self.verify_budget, self.draft_cap = verify_budget, draft_cap
-        self.keep_hidden = keep_hidden
+        self.keep_hidden, self.packed = keep_hidden, packed and can_pack(model)
         self.rows, self.capacity = rows, capacity
         self.need_hidden = keep_hidden or self.drafter.needs_hidden or any(d.needs_hidden for _, d in self.trees)
         self.max_nodes = max([self.drafter.max_nodes] + [d.max_nodes for _, d in self.trees])
@@ -242,31 +247,21 @@ class Engine:
             trees.append(tree)
             shapes.append(shape)
             r.stats.draft_s += time.perf_counter() - t0
+        if cap != 0 and hasattr(self.draft_cap, "widths"):  # how many of its drafts each row keeps this step
+            keep = self.draft_cap.widths(n_active, [len(t) for t in trees], [self.row_rate(r) for r in active])
+            for j, w in enumerate(keep):
+                if w < len(trees[j]):
+                    trees[j] = trees[j].head(w)
+                    shapes[j] = shape_of(trees[j].with_root())
 
-        # 2. one verify forward over every row's tree, padded to N nodes
+        # 2. one verify forward over every row's tree (packed where the backend can, else padded to N nodes)
         t1 = time.perf_counter()
         B = self.last_rows = len(active)
         N = max(s.size for s in shapes)
         W = max(r.length for r in active)
-        ids = torch.zeros(B, N, dtype=torch.long)
-        pos = torch.empty(B, N, dtype=torch.long)
-        tree_allowed = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)  # dummy nodes see only themselves
-        node_lists = []
-        for b, (r, tree, shape) in enumerate(zip(active, trees, shapes)):
-            n = shape.size
-            nodes = [r.state.tokens[-1]] + tree.tokens.tolist()
-            node_lists.append(nodes)
-            ids[b, :n] = torch.tensor(nodes)
-            pos[b, :n] = r.length + shape.depth
-            pos[b, n:] = r.length
-            tree_allowed[b, :n, :n] = shape.ancestors
-        set_length(self.cache, W)
-        mask = ragged_mask([r.length for r in active], W, tree_allowed, model.dtype, dev)
-        out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
-                    past_key_values=self.cache, use_cache=True, output_hidden_states=self.need_hidden)
-        logits = out.logits.float()
-        hid = out.hidden_states[-1] if self.need_hidden else None
-        del out
+        node_lists = [[r.state.tokens[-1]] + tree.tokens.tolist() for r, tree in zip(active, trees)]
+        logits, hid, first = verify_rows(model, self.cache, node_lists, shapes, [r.length for r in active],
+                                         self.need_hidden, self.packed)
         self.forwards += 1
         verify_s = self.last_verify_s = time.perf_counter() - t1
 
@@ -281,12 +276,15 @@ class Engine:
             if q is not None and q.shape[-1] != logits.shape[-1]:
                 q = fit_vocab(q, logits.shape[-1])
             name = self._accept_name(r.state.sampling)
-            acc = ACCEPTORS[name](shape, node_lists[b], logits[b, :n], q=q, sampling=r.state.sampling,
+            acc = ACCEPTORS[name](shape, node_lists[b], logits[first[b]:first[b] + n], q=q, sampling=r.state.sampling,
                                   generator=r.gen, **(self.typical if name == "typical" else {}))
             k = len(acc.path)
             if len(tree):
+                miss = int(k - 1 < int(shape.depth[-1]))
                 self.accepted_drafts += k - 1
-                self.draft_misses += int(k - 1 < int(shape.depth[-1]))
+                self.draft_misses += miss
+                r.accepted_drafts += k - 1
+                r.draft_misses += miss
             src[b, :k] = W + torch.tensor(acc.path)
             dst[b, :k] = r.length + torch.arange(k)
             r.length += k
@@ -294,8 +292,8 @@ class Engine:
             emitted_total += len(emitted)
             r.stats.target_forwards += 1
             r.stats.verify_s += verify_s
-            r.state.hidden = hid[b, acc.path[-1]] if hid is not None else None
-            r.state.new_hidden = hid[b, acc.path] if hid is not None else None
+            r.state.hidden = hid[first[b] + acc.path[-1]] if hid is not None else None
+            r.state.new_hidden = hid[[first[b] + i for i in acc.path]] if hid is not None else None
             if self.keep_hidden:
                 r.hidden_log.append(r.state.new_hidden)
             tb = time.perf_counter()
@@ -313,11 +311,20 @@ class Engine:
         if not torch.equal(src, dst):  # a row's accepted chain may already sit where it belongs
             compact(self.cache, src.to(dev), dst.to(dev))
         if cap is not None and hasattr(self.draft_cap, "observe"):  # the rule checks itself against the clock
-            self.draft_cap.observe(n_active, cap, time.perf_counter() - t_step, emitted_total)
+            self.draft_cap.observe(n_active, max(len(t) for t in trees), time.perf_counter() - t_step, emitted_total)
 
         # 4. finished rows leave the batch
         self._leave(finished, None, done)
         return done
+
+    def rate(self) -> float:
+        """The per-token acceptance rate of drafts so far, accepted / (accepted + misses), from a prior of
+        PRIOR_RATE worth PRIOR_WEIGHT draws."""
+        return (self.accepted_drafts + PRIOR_RATE * PRIOR_WEIGHT) / (self.accepted_drafts + self.draft_misses + PRIOR_WEIGHT)
+
+    def row_rate(self, r: _Row) -> float:
+        """The same for one row, with the engine's rate as its prior (worth ROW_PRIOR_WEIGHT draws)."""
+        return (r.accepted_drafts + self.rate() * ROW_PRIOR_WEIGHT) / (r.accepted_drafts + r.draft_misses + ROW_PRIOR_WEIGHT)
 
     def _leave(self, gone: list[int], finish: str | None, done: list[Request]) -> None:
         """Rows ``gone`` (indices into active) leave the batch; their requests get their results."""

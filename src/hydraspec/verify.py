@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from . import backend
+from .cache import set_length, set_packing
 from .errors import HydraspecError
 
 _NO_4D_MASK = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -21,6 +23,11 @@ def check_supported(model) -> None:
         )
     if getattr(model.config, "is_encoder_decoder", False):
         raise HydraspecError("encoder-decoder models are not supported: hydraspec needs a causal LM")
+
+
+def can_pack(model) -> bool:
+    """Whether :func:`verify_rows` can run this model's rows packed (it runs the backend's attention)."""
+    return backend.packed_keyword(model) is not None
 
 
 def tree_mask(prefix_len: int, ancestors: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
@@ -69,3 +76,54 @@ def ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, d
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+@torch.inference_mode()
+def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: list[int], want_hidden: bool = False,
+                packed: bool = True):
+    """One forward over every cached row's verify tree: row b's ``nodes[b]`` (pending token, then drafts;
+    ``shapes[b]`` its tree shape) at positions lengths[b] + depth, written at slots [W, W + N) of the cache
+    (W = max(lengths), N = the largest tree), each node seeing its row's cache and its own ancestors.
+
+    Packed (where the backend's attention runs, see :func:`hydraspec.backend.packed_keyword`): the rows'
+    nodes go through the model as one sequence of T = sum of tree sizes tokens, so a row's verify tree costs
+    the linear layers only its own nodes. Otherwise the rows are padded to N nodes with dummy nodes that
+    see only themselves. Either way each row's logits equal its own forward's (the kernels are row-wise).
+
+    Returns float32 logits [T', vocab], hidden states [T', dim] (or None) and each row's first index into
+    them (T' = T packed, B * N padded)."""
+    dev = model.device
+    B, N, W = len(nodes), max(s.size for s in shapes), max(lengths)
+    tree_allowed = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)  # dummy nodes see only themselves
+    for b, shape in enumerate(shapes):
+        tree_allowed[b, :shape.size, :shape.size] = shape.ancestors
+    set_length(cache, W)
+    mask = ragged_mask(lengths, W, tree_allowed, model.dtype, dev)
+    keyword = backend.packed_keyword(model) if packed and B > 1 else None
+    if keyword is not None:
+        sizes = [s.size for s in shapes]
+        offsets = torch.tensor([0] + sizes).cumsum(0).tolist()
+        rows = torch.repeat_interleave(torch.arange(B), torch.tensor(sizes))
+        slots = torch.cat([torch.arange(n) for n in sizes])
+        ids = torch.tensor([t for row in nodes for t in row])[None]
+        pos = torch.cat([lengths[b] + s.depth for b, s in enumerate(shapes)])[None]
+        set_packing(cache, rows.to(dev), slots.to(dev), N)
+        try:
+            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, past_key_values=cache,
+                        use_cache=True, output_hidden_states=want_hidden, **{keyword: (rows * N + slots).to(dev)})
+        finally:
+            set_packing(cache)
+        first = offsets[:-1]
+    else:
+        ids = torch.zeros(B, N, dtype=torch.long)
+        pos = torch.empty(B, N, dtype=torch.long)
+        for b, (row, shape) in enumerate(zip(nodes, shapes)):
+            ids[b, :shape.size] = torch.tensor(row)
+            pos[b, :shape.size] = lengths[b] + shape.depth
+            pos[b, shape.size:] = lengths[b]
+        out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, past_key_values=cache,
+                    use_cache=True, output_hidden_states=want_hidden)
+        first = [b * N for b in range(B)]
+    logits = out.logits.float().flatten(0, 1)
+    hidden = out.hidden_states[-1].flatten(0, 1) if want_hidden else None
+    return logits, hidden, first

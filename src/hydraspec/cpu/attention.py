@@ -22,6 +22,7 @@ from . import kernels
 
 NAME = "hydraspec_cpu"
 MAX_QUERIES = 64  # query rows per call handled here; longer calls (prefill) go to sdpa
+PACKED = "hs_packed_index"  # the model-call keyword that marks a packed forward (see packed_attention)
 
 
 def _fallback(module, query, key, value, attention_mask, **kwargs):
@@ -34,7 +35,12 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   is_causal: bool | None = None, **kwargs):
     """query [B, H, n, d], key/value [B, Hkv, L, d(v)], attention_mask None (n == 1: attend to all)
-    or [B, 1|H, n, >=L] bool (True = attend) or additive float. Returns ([B, n, H, dv], None)."""
+    or [B, 1|H, n, >=L] bool (True = attend) or additive float. Returns ([B, n, H, dv], None).
+    A packed forward (keyword ``hs_packed_index``) goes through :func:`packed_attention`."""
+    index = kwargs.pop(PACKED, None)
+    if index is not None:
+        return packed_attention(module, query, key, value, attention_mask, index, dropout=dropout, scaling=scaling,
+                                is_causal=is_causal, **kwargs)
     b, h, n, d = query.shape
     hkv, kv_len = key.shape[1], key.shape[2]
     simple = (query.device.type == "cpu" and not torch.is_grad_enabled() and n <= MAX_QUERIES and (attention_mask is not None or n == 1)
@@ -70,6 +76,21 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     out = torch.matmul(probs, value.float())  # [B, Hkv, g*n, dv]
     out = out.view(b, h, n, value.shape[-1]).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+def packed_attention(module, query, key, value, attention_mask, index: torch.Tensor, **kwargs):
+    """Attention for a packed forward: the new tokens of B cached sequences run as one sequence of T tokens
+    (query [1, H, T, d]; the linear layers then see no padding), while the cache and the mask keep the padded
+    layout (key/value [B, Hkv, L, d], attention_mask [B, 1, N, L]). ``index`` [T] gives each token's place
+    b * N + j in that layout. The queries are scattered into it, attended as usual, and gathered back:
+    ([1, T, H, dv], None)."""
+    b, n = key.shape[0], attention_mask.shape[-2]
+    h, t, d = query.shape[1], query.shape[2], query.shape[3]
+    q = query.new_zeros(b * n, h, d)
+    q[index] = query[0].transpose(0, 1)
+    q = q.view(b, n, h, d).transpose(1, 2)
+    out, _ = cpu_attention(module, q, key, value, attention_mask, **kwargs)  # [B, N, H, dv]
+    return out.reshape(b * n, h, out.shape[-1])[index][None], None
 
 
 _MASK_KIND = {torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}

@@ -30,6 +30,7 @@ class Drafter:
     name = "ar"
     needs_hidden = False
     max_nodes = 0  # upper bound on the size of any proposed tree
+    cheap = False  # proposing costs next to nothing (no model forward): a load rule may let it always propose
 
     def fork(self) -> "Drafter":
         """A drafter for one more sequence decoded beside this one: models, heads and settings shared,

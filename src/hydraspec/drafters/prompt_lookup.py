@@ -19,6 +19,7 @@ class PromptLookupDrafter(Drafter):
     BACKOFF, MAX_REST = 3, 16
 
     name = "pld"
+    cheap = True
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 2, dynamic: bool = True):
         if num_tokens < 1 or min_ngram < 1 or max_ngram < min_ngram:

@@ -37,7 +37,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
     rule = None
     if adaptive and bg.drafter.max_nodes > 0:
         say("measuring the verify cost for the adaptive draft length ...")
-        rule = AdaptiveDraft(measure_verify_cost(bg.model), bg.max_nodes)
+        rule = AdaptiveDraft(measure_verify_cost(bg.model), bg.max_nodes, cheap=bg.drafter.cheap)
     engine = bg.engine(max_batch, capacity, draft_cap=rule)
     if rule is not None:
         say(f"adaptive speculation: {rule.describe()}")

@@ -61,7 +61,7 @@ def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 
         drafter = make_drafter(method) if method != "ar" else None
         rule = None
         if drafter is not None and batch_size > 1:  # draft only where the batch's verify forward pays for it
-            rule = AdaptiveDraft(measure_verify_cost(model), drafter.max_nodes)
+            rule = AdaptiveDraft(measure_verify_cost(model), drafter.max_nodes, cheap=drafter.cheap)
         bg = BatchGenerator(model, tokenizer, drafter)
         bg.generate(input_ids=[ids for _, ids in enc], max_new_tokens=max_new_tokens, batch_size=batch_size,
                     keep_hidden=capture, on_result=finished, adaptive=rule)
