@@ -84,6 +84,7 @@ class _Row:
     t_start: float = 0.0  # when the row was admitted (its latency runs from here)
     accepted_drafts: int = 0  # this row's share of the engine's counts below
     draft_misses: int = 0
+    shadow: tuple[int, list[int]] | None = None  # a chain proposal cut before verification: (where, tokens)
     hidden_log: list | None = None  # keep_hidden: the target's last hidden states, in position order
 
 
@@ -251,8 +252,13 @@ class Engine:
             keep = self.draft_cap.widths(n_active, [len(t) for t in trees], [self.row_rate(r) for r in active])
             for j, w in enumerate(keep):
                 if w < len(trees[j]):
+                    r = active[j]
+                    if r.shadow is None and shapes[j].is_chain:  # its acceptance is counted as decoding goes on
+                        r.shadow = (len(r.state.tokens), trees[j].tokens.tolist())
                     trees[j] = trees[j].head(w)
                     shapes[j] = shape_of(trees[j].with_root())
+                    if together is None:
+                        self._drafter_for(r, n_active).cut(w)
 
         # 2. one verify forward over every row's tree (packed where the backend can, else padded to N nodes)
         t1 = time.perf_counter()
@@ -279,17 +285,15 @@ class Engine:
             acc = ACCEPTORS[name](shape, node_lists[b], logits[first[b]:first[b] + n], q=q, sampling=r.state.sampling,
                                   generator=r.gen, **(self.typical if name == "typical" else {}))
             k = len(acc.path)
-            if len(tree):
-                miss = int(k - 1 < int(shape.depth[-1]))
-                self.accepted_drafts += k - 1
-                self.draft_misses += miss
-                r.accepted_drafts += k - 1
-                r.draft_misses += miss
+            if len(tree) and r.shadow is None:
+                self._count(r, k - 1, int(k - 1 < int(shape.depth[-1])))
             src[b, :k] = W + torch.tensor(acc.path)
             dst[b, :k] = r.length + torch.arange(k)
             r.length += k
             emitted = self._emit(r, [node_lists[b][i] for i in acc.path[1:]] + [acc.next_token])
             emitted_total += len(emitted)
+            if r.shadow is not None:
+                self._shadow(r)
             r.stats.target_forwards += 1
             r.stats.verify_s += verify_s
             r.state.hidden = hid[first[b] + acc.path[-1]] if hid is not None else None
@@ -316,6 +320,27 @@ class Engine:
         # 4. finished rows leave the batch
         self._leave(finished, None, done)
         return done
+
+    def _count(self, r: _Row, accepted: int, miss: int) -> None:
+        self.accepted_drafts += accepted
+        self.draft_misses += miss
+        r.accepted_drafts += accepted
+        r.draft_misses += miss
+
+    def _shadow(self, r: _Row) -> None:
+        """Count a cut proposal as if it had been verified, once the tokens decoded since show how far it
+        would have been accepted (exactly so for greedy rows: greedy verification accepts the drafts that
+        equal the target's own next tokens)."""
+        at, tokens = r.shadow
+        seen = r.state.tokens[at:]
+        m = 0
+        while m < min(len(seen), len(tokens)) and seen[m] == tokens[m]:
+            m += 1
+        if m == len(tokens) or m < len(seen):  # all of it would have been accepted, or a token differs
+            self._count(r, m, int(m < len(tokens)))
+            r.shadow = None
+        elif r.done:
+            r.shadow = None
 
     def rate(self) -> float:
         """The per-token acceptance rate of drafts so far, accepted / (accepted + misses), from a prior of

@@ -59,6 +59,10 @@ class Drafter:
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
         """accepted: indices into the last proposed DraftTree along the accepted path, in order."""
 
+    def cut(self, n: int) -> None:
+        """Only the first ``n`` nodes of the last proposal were verified (a load rule cut the rest), so
+        :meth:`observe` will judge those."""
+
 
 def next_length(k: int, n_accepted: int, target: int, k_max: int) -> int:
     """The dynamic draft length of transformers' assisted generation: +2 (at most k_max) after a step

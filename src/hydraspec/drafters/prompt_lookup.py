@@ -42,6 +42,9 @@ class PromptLookupDrafter(Drafter):
             if self.misses >= self.BACKOFF:
                 self.rest = min(2 ** (self.misses - self.BACKOFF), self.MAX_REST)
 
+    def cut(self, n: int) -> None:
+        self.proposed = min(self.proposed, n)
+
     def propose(self, state: DecodeState) -> DraftTree:
         if self.rest:
             self.rest -= 1
