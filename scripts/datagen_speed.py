@@ -2,6 +2,8 @@
 
     python scripts/datagen_speed.py smollm2-135m-instruct float32 ../shared/data/prompts/humaneval.jsonl \
         ../shared/data/prompts/sharegpt.jsonl --skip 10 --limit 16 --batch-size 8
+    python scripts/datagen_speed.py qwen2.5-coder-1.5b-instruct bfloat16 --quant gguf benchmarks/prompts/humaneval.jsonl \
+        benchmarks/prompts/sharegpt.jsonl --skip 10 --limit 8 --batch-size 8 --max-new-tokens 128
 """
 import argparse
 import json
@@ -24,9 +26,10 @@ ap.add_argument("--limit", type=int, default=16)
 ap.add_argument("--batch-size", type=int, default=8)
 ap.add_argument("--max-new-tokens", type=int, default=256)
 ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--quant", default="none", help="gguf: the file's own precision (registry GGUF models)")
 args = ap.parse_args()
 torch.set_num_threads(2)
-model, tok = load_model(args.model, dtype=args.dtype, progress=False)
+model, tok = load_model(args.model, dtype=args.dtype, quant=args.quant, progress=False)
 pairs = [(f"{q.source}-{q.question_id}", q.turns) for q in load_questions(args.prompts, limit=args.limit, skip=args.skip)]
 answers = {}
 for rnd in range(args.rounds):

@@ -3,9 +3,11 @@ join and leave at step boundaries (continuous batching).
 
 Layout. One SpecCache holds up to ``rows`` rows. Row b's cache content lives at slots [0, L_b)
 (left-aligned, its own length L_b); slots [L_b, W) of a shorter row are a masked gap, where W = max_b L_b
-is the shared write pointer. One verify forward writes every row's verify tree (pending token + drafts,
-padded to the largest tree in the batch with dummy nodes) at slots [W, W + N) and sees a 4D additive mask
-per row: a node attends to its row's [0, L_b) and to its own tree ancestors; dummy nodes see only
+is the shared write pointer. One verify forward writes every row's verify tree (pending token + drafts) at
+slots [W, W + N) (N = the largest tree) and sees a 4D additive mask per row: a node attends to its row's
+[0, L_b) and to its own tree ancestors. Where the backend's attention runs (hydraspec.verify.verify_rows),
+the rows' nodes go through the model packed, as one sequence of sum-of-tree-sizes tokens, so a row pays the
+linear layers for its own nodes only; elsewhere each tree is padded to N with dummy nodes that see only
 themselves, nobody sees them, and they are never accepted. Position ids are per row: L_b + depth. After
 acceptance each row moves its own accepted path from W + path to L_b + i (one gather/scatter per layer
 for the whole batch) and L_b grows by the path length. Rows that finish (EOS, token budget, stop string,
@@ -96,8 +98,10 @@ class Engine:
     ``cancel(request)`` drops it at the next step boundary. eos: the token ids that end a sequence.
     verify_budget: a cap on the tokens one verify forward holds over the whole batch; each row's draft is
     cut to max(1, budget // rows - 1) nodes (its first nodes, so still a tree). draft_cap: instead, a
-    function of the number of running rows giving each row's most draft nodes (0: no drafting that step).
-    Cutting a draft only drops candidates; the output is unchanged."""
+    function of the number of running rows giving each row's most draft nodes (0: no drafting that step);
+    if it also has ``widths(rows, lengths, rates)`` (hydraspec.adaptive.AdaptiveDraft), that cuts each row's
+    actual proposal given the rows' acceptance rates. Cutting a draft only drops candidates; the output is
+    unchanged. packed: verify the rows packed where the backend allows (hydraspec.verify.can_pack)."""
 
     def __init__(self, model, tokenizer, drafter: Drafter | None, eos: set[int], *, rows: int, capacity: int,
                  acceptor: str | None = None, typical: dict | None = None,
