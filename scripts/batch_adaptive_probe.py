@@ -6,7 +6,6 @@ state.
     python scripts/batch_adaptive_probe.py --rows 8 --rounds 2
 """
 import argparse
-import json
 import time
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from hydraspec import make_drafter
 from hydraspec.adaptive import AdaptiveDraft, measure_verify_cost
 from hydraspec.batch import BatchGenerator
+from hydraspec.bench.prompts import load_questions
 from hydraspec.models import load_model
 
 ap = argparse.ArgumentParser()
@@ -26,10 +26,8 @@ args = ap.parse_args()
 
 torch.set_num_threads(2)
 model, tok = load_model(args.model, quant="gguf", progress=False)
-prompts = []
-for name in ("sharegpt", "humaneval"):
-    qs = [json.loads(line) for line in open(f"benchmarks/prompts/{name}.jsonl")][20:24]
-    prompts += [[{"role": "user", "content": q["turns"][0]}] for q in qs]
+qs = load_questions(["benchmarks/prompts/sharegpt.jsonl", "benchmarks/prompts/humaneval.jsonl"], limit=4, skip=20)
+prompts = [[{"role": "user", "content": q.turns[0]}] for q in qs]
 cost = measure_verify_cost(model)
 print("verify cost ms", {n: round(s * 1e3, 1) for n, s in cost.items()})
 for rnd in range(args.rounds):

@@ -261,7 +261,7 @@ class Engine:
                         r.shadow = (len(r.state.tokens), trees[j].tokens.tolist())
                     trees[j] = trees[j].head(w)
                     shapes[j] = shape_of(trees[j].with_root())
-                    if together is None:
+                    if self.draft_batch is None:  # the row's own drafter (a no-op for most) learns of the cut
                         self._drafter_for(r, n_active).cut(w)
 
         # 2. one verify forward over every row's tree (packed where the backend can, else padded to N nodes)
