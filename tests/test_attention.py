@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from hydraspec.cpu import kernels
 from hydraspec.cpu.attention import MAX_QUERIES, cpu_attention
 
 
@@ -102,3 +103,30 @@ def test_training_with_gradients_goes_to_sdpa():
     ref, _ = sdpa_attention_forward(module(2), ref_q, k, v, mask)
     ref.sum().backward()
     torch.testing.assert_close(q.grad, ref_q.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_rows_equal_their_visible_keys_alone(dtype):
+    # the padded layout of a batch: row b sees its cache [0, len_b), a gap it never sees, then its own tree
+    # nodes; padding query slots see nothing. Each real query's output must equal, bit for bit, the same
+    # query attending to just its visible keys (the kernel skips the rest), and padding slots give zeros.
+    if kernels.fused_lib() is None:
+        pytest.skip("the native attention kernel is not built")
+    lengths, sizes, W, h, hkv = [5, 37, 70, 2], [3, 1, 4, 1], 70, 6, 2
+    N = max(sizes)
+    q, k, v = inputs(len(lengths), h, hkv, N, W + N, d=32, dtype=dtype, seed=7)
+    allowed = torch.zeros(len(lengths), N, W + N, dtype=torch.bool)
+    for b, (n_b, l_b) in enumerate(zip(sizes, lengths)):
+        allowed[b, :n_b, :l_b] = True
+        allowed[b, :n_b, W:W + n_b] = torch.tril(torch.ones(n_b, n_b, dtype=torch.bool))
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    with torch.no_grad():  # as in decoding (with gradients the call goes to sdpa)
+        out, _ = cpu_attention(module(h // hkv), q, k, v, mask)
+    for b, (n_b, l_b) in enumerate(zip(sizes, lengths)):
+        assert (out[b, n_b:] == 0).all()
+        for i in range(n_b):
+            keys = allowed[b, i].nonzero().squeeze(1)
+            with torch.no_grad():
+                alone, _ = cpu_attention(module(h // hkv), q[b:b + 1, :, i:i + 1], k[b:b + 1, :, keys],
+                                         v[b:b + 1, :, keys], None)
+            assert torch.equal(out[b, i], alone[0, 0])

@@ -85,11 +85,13 @@ int hs_rmsnorm(const void* x, const void* w, int64_t n, int64_t dim, float eps, 
     return 0;
 }
 
-/* mask kinds: 0 none (every key), 1 bool bytes (nonzero = attend), 2 additive fp32, 3 additive bf16 */
+/* mask kinds: 0 none (every key), 1 bool bytes (nonzero = attend), 2 additive fp32, 3 additive bf16.
+   An additive value below -1e30 (-inf, or the dtype's lowest as transformers writes it) hides its key:
+   its weight would underflow to exactly 0 beside any key the row sees. */
 static inline float mask_at(const void* m, int kind, int64_t i, int* hidden) {
     if (kind == 1) { *hidden = ((const uint8_t*)m)[i] == 0; return 0.0f; }
     float v = kind == 2 ? ((const float*)m)[i] : bf2f(((const uint16_t*)m)[i]);
-    *hidden = v == -INFINITY;
+    *hidden = v < -1e30f;
     return v;
 }
 
@@ -106,9 +108,43 @@ static inline float lane_sum(__m256 a) {
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
+/* [*lo, *hi): the span of keys a mask row lets its query see (empty: *lo >= *hi); byte masks 32 at a time */
+static inline void visible_span(const void* m, int mkind, int64_t L, int64_t* lo, int64_t* hi) {
+    int64_t a = 0, b = L;
+    int hidden = 0;
+    if (mkind == 1) {
+        const uint8_t* mb = (const uint8_t*)m;
+        const __m256i z = _mm256_setzero_si256();
+        for (; a + 32 <= L; a += 32) {
+            unsigned zero = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i*)(mb + a)), z));
+            if (zero != 0xffffffffu) { a += __builtin_ctz(~zero); break; }
+        }
+        while (a < L && !mb[a]) a++;
+        for (; b - 32 >= a; b -= 32) {
+            unsigned zero = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i*)(mb + b - 32)), z));
+            if (zero != 0xffffffffu) { b -= __builtin_clz(~zero); break; }
+        }
+        while (b > a && !mb[b - 1]) b--;
+    } else {
+        while (a < L) { mask_at(m, mkind, a, &hidden); if (!hidden) break; a++; }
+        while (b > a) { mask_at(m, mkind, b - 1, &hidden); if (!hidden) break; b--; }
+    }
+    *lo = a, *hi = b;
+}
+
+/* whether key j is hidden from every one of the block's nr query rows (its scores are then skipped) */
+static inline int hidden_for_all(const void* const* m, int nr, int mkind, int64_t j) {
+    for (int r = 0; r < nr; r++) {
+        int hidden = 0;
+        mask_at(m[r], mkind, j, &hidden);
+        if (!hidden) return 0;
+    }
+    return 1;
+}
+
 /* Four query rows of one kv head against its L keys (rows past nr repeat row 0 and are dropped):
    scores, softmax and the weighted values, into o[4][DV] fp32. Each key and value vector is converted
-   once for the four rows. Every dot product runs over the dimensions in 8 lanes, summed in a fixed
+   once for the four rows; a key hidden from all four (another row's slots, padding) is not read. Every dot product runs over the dimensions in 8 lanes, summed in a fixed
    order, and every weighted sum visits the keys in order (hidden keys add exact zeros), so a row's
    result depends on nothing but the row and the keys it sees: not on the rows beside it, nor on hidden
    keys between those it sees. D and DV are multiples of 8 (checked by the caller). */
@@ -119,6 +155,10 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
     for (int r = 0; r < 4; r++)                                                                       \
         for (int64_t t = 0; t < D; t += 8) _mm256_storeu_ps(qf + r * D + t, LD8(q[r < nr ? r : 0], t)); \
     for (int64_t j = 0; j < L; j++) {                                                                 \
+        if (mkind && hidden_for_all(m, nr, mkind, j)) {                                               \
+            s[j] = s[L + j] = s[2 * L + j] = s[3 * L + j] = -INFINITY;                                \
+            continue;                                                                                 \
+        }                                                                                             \
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                   \
         const int64_t kj = j * ks;                                                                    \
         for (int64_t t = 0; t < D; t += 8) {                                                          \
@@ -140,7 +180,7 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
             if (mkind) {                                                                              \
                 int hidden = 0;                                                                       \
                 float add = mask_at(mr, mkind, j, &hidden);                                           \
-                sr[j] = hidden ? -INFINITY : sr[j] + add;                                             \
+                sr[j] = (hidden || sr[j] == -INFINITY) ? -INFINITY : sr[j] + add;                     \
             }                                                                                         \
             if (sr[j] > mx) mx = sr[j];                                                               \
         }                                                                                             \
@@ -176,7 +216,9 @@ HS_ATTN_BLOCK(attn_block_bf16, ld8_bf16)
 
 /* q [B, H, N, D] with element strides qs = {b, h, n} (d contiguous); k [B, HKV, L, D] and v [B, HKV, L, DV]
    with strides ks / vs = {b, h, l}; mask [B, N, L] with strides ms = {b, n} (l contiguous), shared by
-   all heads; out [B, N, H, DV] contiguous. Query head i reads kv head i / (H / HKV). All tensors fp32
+   all heads; out [B, N, H, DV] contiguous. Query head i reads kv head i / (H / HKV); the H / HKV query heads
+   of one kv head and one query position are neighbours in a block, so a tree's padding positions, which
+   see only themselves, make blocks that read one key. All tensors fp32
    (bf16 = 0) or bf16 (bf16 = 1), additive masks too. Returns -1 when out of memory. */
 int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t* ks, const void* v,
                  const int64_t* vs, const void* mask, const int64_t* ms, int mkind, int bf16, int64_t B,
@@ -201,15 +243,26 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
             const void* mp[4];
             int64_t head[4], qi[4];
             for (int r = 0; r < nr; r++) {
-                head[r] = kvh * g + (r0 + r) / N, qi[r] = (r0 + r) % N;
+                head[r] = kvh * g + (r0 + r) % g, qi[r] = (r0 + r) / g;
                 qp[r] = (const char*)q + (size_t)(b * qs[0] + head[r] * qs[1] + qi[r] * qs[2]) * es;
                 mp[r] = mkind ? (const char*)mask + (size_t)(b * ms[0] + qi[r] * ms[1]) * mes : NULL;
             }
-            const char* kp = (const char*)k + (size_t)(b * ks[0] + kvh * ks[1]) * es;
-            const char* vp = (const char*)v + (size_t)(b * vs[0] + kvh * vs[1]) * es;
+            int64_t lo = 0, hi = L;  /* the keys some row of the block sees; the rest weigh exactly 0 */
+            if (mkind) {
+                lo = L, hi = 0;
+                for (int r = 0; r < nr; r++) {
+                    int64_t a, e;
+                    visible_span(mp[r], mkind, L, &a, &e);
+                    if (a < e) { lo = a < lo ? a : lo; hi = e > hi ? e : hi; }
+                }
+                if (lo >= hi) lo = hi = 0;
+                for (int r = 0; r < nr; r++) mp[r] = (const char*)mp[r] + (size_t)lo * mes;
+            }
+            const char* kp = (const char*)k + (size_t)(b * ks[0] + kvh * ks[1] + lo * ks[2]) * es;
+            const char* vp = (const char*)v + (size_t)(b * vs[0] + kvh * vs[1] + lo * vs[2]) * es;
             float *qf = buf, *s = buf + 4 * D, *o = buf + 4 * (D + L);
-            if (bf16) attn_block_bf16(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], L, D, DV, scale, qf, s, o);
-            else attn_block_f32(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], L, D, DV, scale, qf, s, o);
+            if (bf16) attn_block_bf16(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], hi - lo, D, DV, scale, qf, s, o);
+            else attn_block_f32(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], hi - lo, D, DV, scale, qf, s, o);
             for (int r = 0; r < nr; r++) {
                 const int64_t off = ((b * N + qi[r]) * H + head[r]) * DV;
                 if (bf16) for (int64_t t = 0; t < DV; t++) ((uint16_t*)out)[off + t] = f2bf(o[r * DV + t]);
