@@ -33,7 +33,7 @@ model, tok = load_model(args.model, dtype=args.dtype, quant=args.quant, progress
 pairs = [(f"{q.source}-{q.question_id}", q.turns) for q in load_questions(args.prompts, limit=args.limit, skip=args.skip)]
 answers = {}
 for rnd in range(args.rounds):
-    for method in ("ar", "pld"):
+    for method in (("ar", "pld") if rnd % 2 == 0 else ("pld", "ar")):  # alternate which goes first
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "answers.jsonl")
             t = time.perf_counter()

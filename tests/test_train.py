@@ -182,14 +182,16 @@ def test_base_outputs_cache_matches_recomputation(tok, tmp_path):
     assert log[1]["base_cache"]["hits"] > log[0]["base_cache"]["hits"]
 
 
-def test_batched_data_generation_fills_the_base_cache(tok, tmp_path):
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_batched_data_generation_fills_the_base_cache(tok, tmp_path, method):
     from hydraspec.train.trainer import BaseOutputs, _base_hidden
 
     model = tiny.cached_model("llama", "sdpa", 1)
     questions = [(i, [" ".join(f"w{(i * 5 + j * 2) % 90}" for j in range(3 + i % 4))]) for i in range(6)]
     data = tmp_path / "answers.jsonl"
     cache = BaseOutputs.for_data(model, data, 1 << 30, base_name="tiny")
-    answer_prompts(model, tok, questions, data, max_new_tokens=9, progress=False, batch_size=4, base_cache=cache)
+    answer_prompts(model, tok, questions, data, max_new_tokens=9, progress=False, batch_size=4, base_cache=cache,
+                   method=method)
     rows = load_answers(data)
     assert len(list((tmp_path / "answers.base_cache").glob("*.pt"))) == len(rows) == 6
     # what generation captured (left-padded batches) is what a plain forward over the sequence gives

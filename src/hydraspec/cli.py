@@ -531,9 +531,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="leave out the first N prompts of each category (keep them for evaluation: bench --limit N)")
     t.add_argument("--batch-size", type=int, default=8, help="rows decoded together in data generation (continuous batching)")
     t.add_argument("--max-new-tokens", type=int, default=256)
-    t.add_argument("--data-method", default="ar", choices=("ar", "pld"),
-                   help="how the base model decodes its answers: plain, or prompt lookup (same greedy answers; "
-                        "at batch 8 on a 2-core CPU plain batching was faster, see BENCHMARKS.md)")
+    t.add_argument("--data-method", default="pld", choices=("ar", "pld"),
+                   help="how the base model decodes its answers: prompt lookup (the default; drafts only where the "
+                        "measured cost of a wider forward pays, see BENCHMARKS.md) or plain decoding; the same greedy "
+                        "answers either way")
     t.add_argument("--data-only", action="store_true",
                    help="stop after data generation (answers and base cache), e.g. to train several kinds on it")
     t.add_argument("--num-heads", type=int, default=4)
