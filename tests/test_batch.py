@@ -552,3 +552,29 @@ def test_bench_batch_sizes(tmp_path, tok):
     args.methods, args.batch_sizes = "ar,hydra", "1,x"
     with pytest.raises(HydraspecError, match="comma-separated integers"):
         run_bench(args, loader=loader)
+
+
+def test_single_sequence_prompt_lookup_drafts_under_the_cost_rule(tok):
+    """generate() with prompt lookup cuts proposals by the measured verify cost and the acceptance rate:
+    where an extra verify token costs a whole forward nothing is drafted; where it is free lookups draft
+    as before; the output is plain decoding's either way. Drafters with a forward of their own keep theirs."""
+    from hydraspec.adaptive import AdaptiveDraft
+
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()
+    plain = SpeculativeGenerator(model, tok)
+    ref = [plain.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
+    gen = SpeculativeGenerator(model, tok, DRAFTERS["pld"](model))
+    rule = gen.draft_rule()
+    assert isinstance(rule, AdaptiveDraft) and gen.draft_rule() is rule  # measured once
+    rule.points = [(1, 1.0), (2, 2.0), (16, 16.0)]  # every verify token costs a full forward
+    for p, r in zip(prompts, ref):
+        res = gen.generate(input_ids=p, max_new_tokens=N_NEW)
+        assert res.token_ids == r.token_ids
+        assert res.stats.target_forwards == len(r.token_ids)  # one token per forward: nothing was verified
+    rule.points = [(1, 1.0), (16, 1.0)]  # free: prompt lookup drafts
+    drafted = [gen.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
+    assert [d.token_ids for d in drafted] == [r.token_ids for r in ref]
+    assert any(d.stats.target_forwards < len(d.token_ids) for d in drafted)
+    assert SpeculativeGenerator(model, tok, DRAFTERS["medusa"](model)).draft_rule() is None
+    assert plain.draft_rule() is None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .adaptive import SIZES, AdaptiveDraft, measure_verify_cost
 from .batch import BatchGenerator
 from .drafters.base import Drafter
 from .engine import Request
@@ -20,6 +21,11 @@ class SpeculativeGenerator:
     drafter: a Drafter (None = plain autoregressive decoding through the same engine).
     acceptor: "greedy", "lossless" or "typical"; None picks greedy at temperature 0 and lossless
     speculative sampling otherwise. Only "typical" changes the output distribution.
+
+    A drafter whose proposals cost nothing (prompt lookup) proposes under hydraspec.adaptive's rule on the
+    CPU: the target's verify cost is measured once per model (one forward per size up to the drafter's
+    longest proposal) and each proposal is cut to what the sequence's acceptance rate pays for, so lookups
+    that keep missing cost next to nothing. Cutting drafts never changes the output.
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, acceptor: str | None = None,
@@ -29,6 +35,18 @@ class SpeculativeGenerator:
         b = self.batch
         self.model, self.tokenizer, self.drafter, self.acceptor = b.model, b.tokenizer, b.drafter, b.acceptor
         self.typical, self.eos = b.typical, b.eos
+        self._rule: AdaptiveDraft | None = None
+
+    def draft_rule(self) -> AdaptiveDraft | None:
+        """The adaptive rule this generator's single-sequence engines draft under (see the class docstring),
+        or None: drafters with a forward of their own keep their own length and stop."""
+        d = self.drafter
+        if d is None or not d.cheap or d.max_nodes < 1 or self.model.device.type != "cpu":
+            return None
+        if self._rule is None:
+            sizes = tuple(n for n in SIZES if n <= d.max_nodes + 1)
+            self._rule = AdaptiveDraft(measure_verify_cost(self.model, sizes=sizes), d.max_nodes, cheap=True)
+        return self._rule
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """A string or a list of {"role", "content"} messages -> prompt token ids (chat template applied
@@ -46,7 +64,7 @@ class SpeculativeGenerator:
         check_sampling(temperature, top_p, top_k)
         ids = list(input_ids) if input_ids is not None else self.encode(prompt, chat=chat)
         check_length(self.model, len(ids), max_new_tokens)
-        engine = self.batch.engine(1, len(ids) + max_new_tokens + self.batch.max_nodes + 1)
+        engine = self.batch.engine(1, len(ids) + max_new_tokens + self.batch.max_nodes + 1, draft_cap=self.draft_rule())
         hook = None
         if streamer is not None:
             streamer.put(torch.tensor([ids]))
