@@ -578,3 +578,30 @@ def test_single_sequence_prompt_lookup_drafts_under_the_cost_rule(tok):
     assert any(d.stats.target_forwards < len(d.token_ids) for d in drafted)
     assert SpeculativeGenerator(model, tok, DRAFTERS["medusa"](model)).draft_rule() is None
     assert plain.draft_rule() is None
+    assert gen.draft_rule(temperature=0.8) is None  # sampling: a seed gives the same text on every run
+
+
+def test_verify_cost_is_measured_once_per_machine(tmp_path, monkeypatch):
+    """The measured verify cost is kept on disk under a key of the model and the machine, and a later process
+    (here: another model object of the same weights) reads it back instead of timing forwards again."""
+    from hydraspec import adaptive
+
+    monkeypatch.setenv("HYDRASPEC_HOME", str(tmp_path))
+    model = tiny.cached_model("llama", "sdpa", SEED)
+    path = adaptive.stored_cost_path(model, (1, 2, 4), 16, 1)
+    assert path is not None and path.parent == tmp_path / "verify-cost" and not path.exists()
+    first = adaptive.measure_verify_cost(model, sizes=(1, 2, 4), prefix=16, repeats=1)
+    assert path.exists() and sorted(first) == [1, 2, 4]
+    assert first[1] <= first[2] <= first[4]
+    other = tiny.noisy_copy(model, 0.0, seed=3)  # same shape and layers, not in the per-process memo
+    calls = []
+    monkeypatch.setattr(other, "forward", lambda *a, **k: calls.append(1))
+    assert adaptive.measure_verify_cost(other, sizes=(1, 2, 4), prefix=16, repeats=1) == first
+    assert not calls  # read back, no forward timed
+    assert adaptive.stored_cost_path(model, (1, 2, 8), 16, 1) != path  # other sizes: another file
+    # an unreadable file is measured again
+    path.write_text("not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("HYDRASPEC_HOME", str(tmp_path))
+    again = adaptive.measure_verify_cost(tiny.noisy_copy(model, 0.0, seed=4), sizes=(1, 2, 4), prefix=16, repeats=1)
+    assert sorted(again) == [1, 2, 4] and json.loads(path.read_text())

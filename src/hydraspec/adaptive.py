@@ -27,13 +27,19 @@ model leaves out (drafting work, Python overhead, padding, a server's own costs)
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 import weakref
+from collections import Counter
 
 import torch
 
+from . import backend
 from .cache import new_cache, text_config
 from .engine import PRIOR_RATE
+from .home import hydraspec_home
 
 PAY_MARGIN = 1.15
 PROBE_EVERY, MIN_STEPS, EWMA_STEPS = 10, 8, 32
@@ -43,16 +49,52 @@ SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in 
 _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(sizes, prefix): costs}
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        return " ".join(fields.get(k, "").strip() for k in ("model name", "cpu family", "model"))
+    except OSError:
+        return ""
+
+
+def stored_cost_path(model, sizes, prefix: int, repeats: int):
+    """Where the verify cost of this model on this machine is kept between processes (a CPU model only; None
+    on other devices): a file named by a hash of everything the timing depends on, the model (class,
+    config, dtype, kinds of layers), the machine (CPU model, threads), the native build and its sizes.
+    Delete it (or the ``verify-cost`` folder of the hydraspec home) to measure again."""
+    from . import __version__
+
+    if model.device.type != "cpu":
+        return None
+    layers = sorted(Counter(type(m).__name__ for m in model.modules()).items())
+    what = [__version__, type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
+            getattr(model.config, "_name_or_path", ""), _cpu_model(), os.cpu_count(), torch.get_num_threads(),
+            backend.build_id(), backend.describe(), list(sizes), prefix, repeats]
+    key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
+    return hydraspec_home() / "verify-cost" / f"{key}.json"
+
+
 @torch.inference_mode()
-def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 2) -> dict[int, float]:
+def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 2, store: bool = True) -> dict[int, float]:
     """Seconds of one target forward over n new tokens after ``prefix`` tokens, best of ``repeats``, made
     non-decreasing in n (a forward over more tokens never costs less; a smaller figure is noise). The prefix
     is read once and the cache cut back to it after every timed forward; a model is measured once per
-    process (later calls return the same figures)."""
+    process (later calls return the same figures) and, with ``store``, once per machine: the figures are
+    kept on disk (:func:`stored_cost_path`) and read back by later processes."""
     key = (tuple(sizes), prefix)
     known = _MEASURED.get(model, {})
     if key in known:
         return dict(known[key])
+    path = stored_cost_path(model, sizes, prefix, repeats) if store else None
+    if path is not None and path.exists():
+        try:
+            out = {int(n): float(t) for n, t in json.loads(path.read_text()).items()}
+            if sorted(out) == sorted(sizes):
+                _MEASURED.setdefault(model, {})[key] = dict(out)
+                return out
+        except (ValueError, OSError, AttributeError):
+            pass  # unreadable: measure again
     dev = model.device
     vocab = text_config(model).vocab_size
     g = torch.Generator().manual_seed(0)
@@ -72,6 +114,14 @@ def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 2) 
             cache.crop(prefix)
         out[n] = max([best] + list(out.values()))
     _MEASURED.setdefault(model, {})[key] = dict(out)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({str(n): t for n, t in out.items()}))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: measured again next time
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe"]
+__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe", "build_id"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -72,3 +72,13 @@ def describe() -> str:
     if text != "torch" and kernels.fused_lib() is None:
         text += ", fused ops off"  # HYDRASPEC_FUSED=0: those ops in torch
     return text
+
+
+def build_id() -> str:
+    """The native library this process computes with, by file name (it carries a hash of the sources and
+    flags), or "torch": a timing taken under one build says nothing about another."""
+    from .cpu import build, kernels
+
+    isa = kernels.native_isa()
+    name = build.library_name(isa) if isa is not None and kernels.native_lib() is not None else None
+    return name or "torch"

@@ -22,10 +22,12 @@ class SpeculativeGenerator:
     acceptor: "greedy", "lossless" or "typical"; None picks greedy at temperature 0 and lossless
     speculative sampling otherwise. Only "typical" changes the output distribution.
 
-    A drafter whose proposals cost nothing (prompt lookup) proposes under hydraspec.adaptive's rule on the
-    CPU: the target's verify cost is measured once per model (one forward per size up to the drafter's
-    longest proposal) and each proposal is cut to what the sequence's acceptance rate pays for, so lookups
-    that keep missing cost next to nothing. Cutting drafts never changes the output.
+    Greedy decoding with a drafter whose proposals cost nothing (prompt lookup) proposes under
+    hydraspec.adaptive's rule on the CPU: the target's verify cost is measured once per model and machine
+    (one forward per size up to the drafter's longest proposal) and each proposal is cut to what the
+    sequence's acceptance rate pays for, so lookups that keep missing cost next to nothing. Cutting drafts
+    never changes a greedy output. Sampling keeps the drafter's own lengths: which drafts are verified
+    decides which random numbers are drawn, and a seed must give the same text on every run.
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, acceptor: str | None = None,
@@ -37,11 +39,13 @@ class SpeculativeGenerator:
         self.typical, self.eos = b.typical, b.eos
         self._rule: AdaptiveDraft | None = None
 
-    def draft_rule(self) -> AdaptiveDraft | None:
-        """The adaptive rule this generator's single-sequence engines draft under (see the class docstring),
-        or None: drafters with a forward of their own keep their own length and stop."""
+    def draft_rule(self, temperature: float = 0.0) -> AdaptiveDraft | None:
+        """The adaptive rule this generator's single-sequence engines draft under at ``temperature`` (see the
+        class docstring), or None: sampling, typical acceptance, and drafters with a forward of their own
+        keep the drafter's own length and stop."""
         d = self.drafter
-        if d is None or not d.cheap or d.max_nodes < 1 or self.model.device.type != "cpu":
+        if (d is None or not d.cheap or d.max_nodes < 1 or self.model.device.type != "cpu" or temperature > 0
+                or self.acceptor not in (None, "greedy")):
             return None
         if self._rule is None:
             sizes = tuple(n for n in SIZES if n <= d.max_nodes + 1)
@@ -64,7 +68,7 @@ class SpeculativeGenerator:
         check_sampling(temperature, top_p, top_k)
         ids = list(input_ids) if input_ids is not None else self.encode(prompt, chat=chat)
         check_length(self.model, len(ids), max_new_tokens)
-        engine = self.batch.engine(1, len(ids) + max_new_tokens + self.batch.max_nodes + 1, draft_cap=self.draft_rule())
+        engine = self.batch.engine(1, len(ids) + max_new_tokens + self.batch.max_nodes + 1, draft_cap=self.draft_rule(temperature))
         hook = None
         if streamer is not None:
             streamer.put(torch.tensor([ids]))
