@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe", "build_id"]
+__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe",
+           "build_id"]
 
 
 def prepack(module: nn.Module) -> int:

@@ -68,7 +68,8 @@ class SpeculativeGenerator:
         check_sampling(temperature, top_p, top_k)
         ids = list(input_ids) if input_ids is not None else self.encode(prompt, chat=chat)
         check_length(self.model, len(ids), max_new_tokens)
-        engine = self.batch.engine(1, len(ids) + max_new_tokens + self.batch.max_nodes + 1, draft_cap=self.draft_rule(temperature))
+        engine = self.batch.engine(1, len(ids) + max_new_tokens + self.batch.max_nodes + 1,
+                                   draft_cap=self.draft_rule(temperature))
         hook = None
         if streamer is not None:
             streamer.put(torch.tensor([ids]))
