@@ -49,6 +49,15 @@ SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in 
 _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(sizes, prefix): costs}
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hydraspec")
+    except PackageNotFoundError:
+        return ""
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -63,12 +72,10 @@ def stored_cost_path(model, sizes, prefix: int, repeats: int):
     on other devices): a file named by a hash of everything the timing depends on, the model (class,
     config, dtype, kinds of layers), the machine (CPU model, threads), the native build and its sizes.
     Delete it (or the ``verify-cost`` folder of the hydraspec home) to measure again."""
-    from . import __version__
-
     if model.device.type != "cpu":
         return None
     layers = sorted(Counter(type(m).__name__ for m in model.modules()).items())
-    what = [__version__, type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
+    what = [_version(), type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
             getattr(model.config, "_name_or_path", ""), _cpu_model(), os.cpu_count(), torch.get_num_threads(),
             backend.build_id(), backend.describe(), list(sizes), prefix, repeats]
     key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
