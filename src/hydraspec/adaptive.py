@@ -67,7 +67,7 @@ def _cpu_model() -> str:
         return ""
 
 
-def stored_cost_path(model, sizes, prefix: int, repeats: int):
+def stored_cost_path(model, sizes=SIZES, prefix: int = 64, repeats: int = 2):
     """Where the verify cost of this model on this machine is kept between processes (a CPU model only; None
     on other devices): a file named by a hash of everything the timing depends on, the model (class,
     config, dtype, kinds of layers), the machine (CPU model, threads), the native build and its sizes.

@@ -12,7 +12,7 @@ import time
 from ..batch import BatchGenerator, cache_bytes, gib
 from ..errors import HydraspecError
 from ..inputs import context_limit, encode_prompt
-from ..adaptive import AdaptiveDraft, measure_verify_cost
+from ..adaptive import AdaptiveDraft, measure_verify_cost, stored_cost_path
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
 
@@ -36,7 +36,9 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
     bg.check_memory(need, max_batch, None, bg.logits_bytes(max_batch))
     rule = None
     if adaptive and bg.drafter.max_nodes > 0:
-        say("measuring the verify cost for the adaptive draft length ...")
+        stored = stored_cost_path(bg.model)
+        say(f"the verify cost for the adaptive draft length: read back from {stored}" if stored is not None
+            and stored.exists() else "measuring the verify cost for the adaptive draft length ...")
         rule = AdaptiveDraft(measure_verify_cost(bg.model), bg.max_nodes, cheap=bg.drafter.cheap)
     engine = bg.engine(max_batch, capacity, draft_cap=rule)
     if rule is not None:
