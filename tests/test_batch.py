@@ -105,7 +105,7 @@ def check_row_stats(r, cut_by_eos=False):
 def test_greedy_rows_equal_batch_of_one(method, tok):
     model = tiny.cached_model("llama", "sdpa", SEED)
     prompts = ragged_prompts()
-    gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model))
+    gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model), adaptive=False)  # the drafter's own lengths
     alone_res = [gen.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
     alone = [a.token_ids for a in alone_res]
     for p, a in zip(prompts, alone):
@@ -162,7 +162,7 @@ def test_packed_rows_equal_batch_of_one(method, tok):
     nodes); each row still produces what it produces alone, with the same acceptance step by step."""
     model = tiny.cached_model("llama", "hydraspec_cpu", SEED)
     prompts = ragged_prompts()
-    gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model))
+    gen = SpeculativeGenerator(model, tok, DRAFTERS[method](model), adaptive=False)  # the drafter's own lengths
     alone = [gen.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts]
     spy = BatchSizes(model)
     try:
@@ -579,6 +579,7 @@ def test_single_sequence_prompt_lookup_drafts_under_the_cost_rule(tok):
     assert SpeculativeGenerator(model, tok, DRAFTERS["medusa"](model)).draft_rule() is None
     assert plain.draft_rule() is None
     assert gen.draft_rule(temperature=0.8) is None  # sampling: a seed gives the same text on every run
+    assert SpeculativeGenerator(model, tok, DRAFTERS["pld"](model), adaptive=False).draft_rule() is None
 
 
 def test_verify_cost_is_measured_once_per_machine(tmp_path, monkeypatch):

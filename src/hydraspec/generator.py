@@ -28,15 +28,18 @@ class SpeculativeGenerator:
     sequence's acceptance rate pays for, so lookups that keep missing cost next to nothing. Cutting drafts
     never changes a greedy output. Sampling keeps the drafter's own lengths: which drafts are verified
     decides which random numbers are drawn, and a seed must give the same text on every run.
+    ``adaptive=False`` keeps them in greedy decoding too (the same drafts on every run, e.g. to compare
+    acceptance step by step).
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, acceptor: str | None = None,
-                 typical_epsilon: float = 0.09, typical_alpha: float = 0.3):
+                 typical_epsilon: float = 0.09, typical_alpha: float = 0.3, adaptive: bool = True):
         self.batch = BatchGenerator(model, tokenizer, drafter, acceptor=acceptor, typical_epsilon=typical_epsilon,
                                     typical_alpha=typical_alpha)
         b = self.batch
         self.model, self.tokenizer, self.drafter, self.acceptor = b.model, b.tokenizer, b.drafter, b.acceptor
         self.typical, self.eos = b.typical, b.eos
+        self.adaptive = adaptive
         self._rule: AdaptiveDraft | None = None
 
     def draft_rule(self, temperature: float = 0.0) -> AdaptiveDraft | None:
@@ -44,7 +47,7 @@ class SpeculativeGenerator:
         class docstring), or None: sampling, typical acceptance, and drafters with a forward of their own
         keep the drafter's own length and stop."""
         d = self.drafter
-        if (d is None or not d.cheap or d.max_nodes < 1 or self.model.device.type != "cpu" or temperature > 0
+        if (not self.adaptive or d is None or not d.cheap or d.max_nodes < 1 or self.model.device.type != "cpu" or temperature > 0
                 or self.acceptor not in (None, "greedy")):
             return None
         if self._rule is None:
