@@ -58,42 +58,34 @@ def _version() -> str:
         return ""
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-        return " ".join(fields.get(k, "").strip() for k in ("model name", "cpu family", "model"))
-    except OSError:
-        return ""
-
-
 def stored_cost_path(model, sizes=SIZES, prefix: int = 64, repeats: int = 2):
     """Where the verify cost of this model on this machine is kept between processes (a CPU model only; None
     on other devices): a file named by a hash of everything the timing depends on, the model (class,
-    config, dtype, kinds of layers), the machine (CPU model, threads), the native build and its sizes.
-    Delete it (or the ``verify-cost`` folder of the hydraspec home) to measure again."""
+    config, dtype, kinds of layers), the machine (CPU model, threads), the native build (which also tells
+    an AVX2 CPU from an AVX-512 one) and the sizes. Delete it (or the ``verify-cost`` folder of the
+    hydraspec home) to measure again."""
     if model.device.type != "cpu":
         return None
     layers = sorted(Counter(type(m).__name__ for m in model.modules()).items())
     what = [_version(), type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
-            getattr(model.config, "_name_or_path", ""), _cpu_model(), os.cpu_count(), torch.get_num_threads(),
+            getattr(model.config, "_name_or_path", ""), backend.cpu_model(), os.cpu_count(), torch.get_num_threads(),
             backend.build_id(), backend.describe(), list(sizes), prefix, repeats]
     key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
     return hydraspec_home() / "verify-cost" / f"{key}.json"
 
 
 @torch.inference_mode()
-def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 2, store: bool = True) -> dict[int, float]:
+def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 2) -> dict[int, float]:
     """Seconds of one target forward over n new tokens after ``prefix`` tokens, best of ``repeats``, made
     non-decreasing in n (a forward over more tokens never costs less; a smaller figure is noise). The prefix
     is read once and the cache cut back to it after every timed forward; a model is measured once per
-    process (later calls return the same figures) and, with ``store``, once per machine: the figures are
-    kept on disk (:func:`stored_cost_path`) and read back by later processes."""
+    process (later calls return the same figures) and once per machine: the figures are kept on disk
+    (:func:`stored_cost_path`) and read back by later processes."""
     key = (tuple(sizes), prefix)
     known = _MEASURED.get(model, {})
     if key in known:
         return dict(known[key])
-    path = stored_cost_path(model, sizes, prefix, repeats) if store else None
+    path = stored_cost_path(model, sizes, prefix, repeats)
     if path is not None and path.exists():
         try:
             out = {int(n): float(t) for n, t in json.loads(path.read_text()).items()}

@@ -4,11 +4,13 @@ Everything above asks here; with the native code off (``HYDRASPEC_NATIVE=0``) or
 still works on stock torch."""
 from __future__ import annotations
 
+import platform
+
 import torch
 from torch import nn
 
 __all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe",
-           "build_id"]
+           "build_id", "cpu_model"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -83,3 +85,16 @@ def build_id() -> str:
     isa = kernels.native_isa()
     name = build.library_name(isa) if isa is not None and kernels.native_lib() is not None else None
     return name or "torch"
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else what ``platform`` knows, else "unknown")."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Processor", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"

@@ -47,8 +47,8 @@ class SpeculativeGenerator:
         class docstring), or None: sampling, typical acceptance, and drafters with a forward of their own
         keep the drafter's own length and stop."""
         d = self.drafter
-        if (not self.adaptive or d is None or not d.cheap or d.max_nodes < 1 or self.model.device.type != "cpu" or temperature > 0
-                or self.acceptor not in (None, "greedy")):
+        if (not self.adaptive or d is None or not d.cheap or d.max_nodes < 1 or temperature > 0
+                or self.model.device.type != "cpu" or self.acceptor not in (None, "greedy")):
             return None
         if self._rule is None:
             sizes = tuple(n for n in SIZES if n <= d.max_nodes + 1)

@@ -102,8 +102,8 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
     keyword = backend.packed_keyword(model) if packed and B > 1 else None
     if keyword is not None:
         sizes = [s.size for s in shapes]
-        for b, n in enumerate(sizes):
-            mask[b, :, n:] = torch.finfo(mask.dtype).min  # no token sits in a padding slot: it attends to nothing
+        padding = torch.arange(N) >= torch.tensor(sizes)[:, None]  # [B, N]: no token sits there
+        mask.masked_fill_(padding.to(dev)[:, None, :, None], torch.finfo(mask.dtype).min)  # so it sees nothing
         offsets = torch.tensor([0] + sizes).cumsum(0).tolist()
         rows = torch.repeat_interleave(torch.arange(B), torch.tensor(sizes))
         slots = torch.cat([torch.arange(n) for n in sizes])

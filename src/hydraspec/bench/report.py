@@ -10,17 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Hardware", "Processor", "cpu model") and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+from .. import backend
 
 
 def machine_info(dtype: str, device: str) -> dict:
@@ -32,7 +22,7 @@ def machine_info(dtype: str, device: str) -> dict:
     info = {
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": cpu_model(),
+        "cpu": backend.cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

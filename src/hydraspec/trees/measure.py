@@ -7,12 +7,12 @@ calibration prompts. Timing never changes a tree's output, only which tree is ch
 from __future__ import annotations
 
 import os
-import platform
 import time
 
 import numpy as np
 import torch
 
+from .. import backend
 from ..tree import bfs_paths, parents_from_paths, shape_of
 
 
@@ -23,16 +23,7 @@ def machine_info(model) -> dict:
     if dev.type == "cuda":
         info["machine"] = torch.cuda.get_device_name(dev)
     else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        name = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
-        info["machine"] = f"{name} ({os.cpu_count()} cores)"
+        info["machine"] = f"{backend.cpu_model()} ({os.cpu_count()} cores)"
     return info
 
 

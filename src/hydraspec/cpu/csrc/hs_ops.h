@@ -116,12 +116,14 @@ static inline void visible_span(const void* m, int mkind, int64_t L, int64_t* lo
         const uint8_t* mb = (const uint8_t*)m;
         const __m256i z = _mm256_setzero_si256();
         for (; a + 32 <= L; a += 32) {
-            unsigned zero = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i*)(mb + a)), z));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(mb + a));
+            unsigned zero = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, z));
             if (zero != 0xffffffffu) { a += __builtin_ctz(~zero); break; }
         }
         while (a < L && !mb[a]) a++;
         for (; b - 32 >= a; b -= 32) {
-            unsigned zero = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i*)(mb + b - 32)), z));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(mb + b - 32));
+            unsigned zero = (unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, z));
             if (zero != 0xffffffffu) { b -= __builtin_clz(~zero); break; }
         }
         while (b > a && !mb[b - 1]) b--;
@@ -144,10 +146,11 @@ static inline int hidden_for_all(const void* const* m, int nr, int mkind, int64_
 
 /* Four query rows of one kv head against its L keys (rows past nr repeat row 0 and are dropped):
    scores, softmax and the weighted values, into o[4][DV] fp32. Each key and value vector is converted
-   once for the four rows; a key hidden from all four (another row's slots, padding) is not read. Every dot product runs over the dimensions in 8 lanes, summed in a fixed
-   order, and every weighted sum visits the keys in order (hidden keys add exact zeros), so a row's
-   result depends on nothing but the row and the keys it sees: not on the rows beside it, nor on hidden
-   keys between those it sees. D and DV are multiples of 8 (checked by the caller). */
+   once for the four rows; a key hidden from all four (another row's slots, padding) is not read. Every
+   dot product runs over the dimensions in 8 lanes, summed in a fixed order, and every weighted sum
+   visits the keys in order (hidden keys add exact zeros), so a row's result depends on nothing but the
+   row and the keys it sees: not on the rows beside it, nor on hidden keys between those it sees. D and
+   DV are multiples of 8 (checked by the caller). */
 #define HS_ATTN_BLOCK(NAME, LD8)                                                                      \
 static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,        \
                  int64_t ks, const void* v, int64_t vs, int64_t L, int64_t D, int64_t DV, float scale, \
@@ -216,10 +219,10 @@ HS_ATTN_BLOCK(attn_block_bf16, ld8_bf16)
 
 /* q [B, H, N, D] with element strides qs = {b, h, n} (d contiguous); k [B, HKV, L, D] and v [B, HKV, L, DV]
    with strides ks / vs = {b, h, l}; mask [B, N, L] with strides ms = {b, n} (l contiguous), shared by
-   all heads; out [B, N, H, DV] contiguous. Query head i reads kv head i / (H / HKV); the H / HKV query heads
-   of one kv head and one query position are neighbours in a block, so a tree's padding positions, which
-   see only themselves, make blocks that read one key. All tensors fp32
-   (bf16 = 0) or bf16 (bf16 = 1), additive masks too. Returns -1 when out of memory. */
+   all heads; out [B, N, H, DV] contiguous. Query head i reads kv head i / (H / HKV); the H / HKV query
+   heads of one kv head and one query position are neighbours in a block, so positions that see few keys
+   (or none: a packed forward's padding) make blocks that read few. All tensors fp32 (bf16 = 0) or bf16
+   (bf16 = 1), additive masks too. Returns -1 when out of memory. */
 int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t* ks, const void* v,
                  const int64_t* vs, const void* mask, const int64_t* ms, int mkind, int bf16, int64_t B,
                  int64_t H, int64_t HKV, int64_t N, int64_t L, int64_t D, int64_t DV, float scale,
