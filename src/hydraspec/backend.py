@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 __all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe",
-           "build_id", "cpu_model"]
+           "build_id", "cpu_model", "huge_pages"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -40,6 +40,17 @@ def fuse_ops(model: nn.Module) -> dict[str, int]:
     from .cpu import mlp, norm, rope
 
     return {"norms": norm.fuse_norms(model), "rope": rope.fuse_rope(model), "mlps": mlp.fuse_mlps(model)}
+
+
+def huge_pages(model: nn.Module) -> int:
+    """Move the model's large CPU tensors into 2 MB pages (hydraspec.cpu.pages; the numbers do not change);
+    returns the bytes moved, 0 where huge pages are off or unavailable. The old pages go back to the system."""
+    from .cpu import kernels, pages
+
+    moved = pages.to_huge_pages(model)
+    if moved:
+        kernels.release_free_memory()
+    return moved
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -770,6 +770,10 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
                                 draft_vocab=vocab, tokenizer=tokenizer)
     if requant:
         quantize_draft(model, quant)
+        if next(model.parameters()).device.type == "cpu":
+            from .backend import huge_pages
+
+            huge_pages(model)
     return model, tok
 
 
@@ -897,7 +901,10 @@ def load_model(
 
         fuse_ops(model)
     if dev == "cpu":
+        from .backend import huge_pages
         from .cpu.kernels import release_free_memory
 
+        if prepack is not False:  # (a draft that is re-quantized next moves once that is done)
+            huge_pages(model)
         release_free_memory()
     return model, tokenizer
