@@ -108,6 +108,7 @@ class Engine:
                  trees: list[tuple[int, Drafter]] | None = None, verify_budget: int | None = None,
                  draft_cap: Callable[[int], int] | None = None, keep_hidden: bool = False, packed: bool = True):
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos)
+        self.device, self.dtype = model.device, model.dtype
         self.drafter = drafter or NoDrafter()
         self.acceptor, self.typical = acceptor, typical or {}
         self.trees = trees or []
@@ -218,7 +219,7 @@ class Engine:
         self._admit()
         if not self.active:
             return done
-        model, dev, active = self.model, self.model.device, self.active
+        model, dev, active = self.model, self.device, self.active
         # 1. drafts, one per row, trimmed to the row's token budget
         n_active = len(active)
         cap = self._cap(n_active)
@@ -271,7 +272,7 @@ class Engine:
         W = max(r.length for r in active)
         node_lists = [[r.state.tokens[-1]] + tree.tokens.tolist() for r, tree in zip(active, trees)]
         logits, hid, first = verify_rows(model, self.cache, node_lists, shapes, [r.length for r in active],
-                                         self.need_hidden, self.packed)
+                                         self.need_hidden, self.packed, self.device, self.dtype)
         self.forwards += 1
         verify_s = self.last_verify_s = time.perf_counter() - t1
 
@@ -368,7 +369,7 @@ class Engine:
             done.append(r.req)
         keep = [b for b in range(len(self.active)) if b not in set(gone)]
         self.active[:] = [self.active[b] for b in keep]
-        select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.model.device))
+        select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.device))
         if self.draft_batch is not None:
             self.draft_batch.keep(keep)
 

@@ -33,14 +33,18 @@ class SharedInput(nn.Module):
         self._x, self._y, self._left = None, None, 0
 
     def columns(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        # plain attributes set with object.__setattr__: nn.Module's own costs microseconds a call
         if self._x is not x or self._left <= 0:
-            self._y = self.joined(x)
-            self._x, self._left = x, len(self.bounds)
+            object.__setattr__(self, "_y", self.joined(x))
+            object.__setattr__(self, "_x", x)
+            object.__setattr__(self, "_left", len(self.bounds))
         lo, hi = self.bounds[part]
         y = self._y[..., lo:hi]
-        self._left -= 1
-        if self._left == 0:
-            self._x = self._y = None
+        left = self._left - 1
+        object.__setattr__(self, "_left", left)
+        if left == 0:
+            object.__setattr__(self, "_x", None)
+            object.__setattr__(self, "_y", None)
         return y
 
 

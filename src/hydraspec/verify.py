@@ -80,7 +80,7 @@ def ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, d
 
 @torch.inference_mode()
 def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: list[int], want_hidden: bool = False,
-                packed: bool = True):
+                packed: bool = True, device=None, dtype=None):
     """One forward over every cached row's verify tree: row b's ``nodes[b]`` (pending token, then drafts;
     ``shapes[b]`` its tree shape) at positions lengths[b] + depth, written at slots [W, W + N) of the cache
     (W = max(lengths), N = the largest tree), each node seeing its row's cache and its own ancestors.
@@ -92,13 +92,14 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
 
     Returns float32 logits [T', vocab], hidden states [T', dim] (or None) and each row's first index into
     them (T' = T packed, B * N padded)."""
-    dev = model.device
+    dev = device or model.device  # (the model's properties walk its parameters: callers that know pass them)
+    dtype = dtype or model.dtype
     B, N, W = len(nodes), max(s.size for s in shapes), max(lengths)
     tree_allowed = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)  # dummy nodes see only themselves
     for b, shape in enumerate(shapes):
         tree_allowed[b, :shape.size, :shape.size] = shape.ancestors
     set_length(cache, W)
-    mask = ragged_mask(lengths, W, tree_allowed, model.dtype, dev)
+    mask = ragged_mask(lengths, W, tree_allowed, dtype, dev)
     keyword = backend.packed_keyword(model) if packed and B > 1 else None
     if keyword is not None:
         sizes = [s.size for s in shapes]

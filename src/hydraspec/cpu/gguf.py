@@ -360,14 +360,13 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = _gguf_lib()
         if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
-            shape = x.shape
-            x2 = x.reshape(-1, shape[-1])
-            if not x2.is_contiguous():
-                x2 = x2.contiguous()
-            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
-            if lib.hs_gguf_apply(x2.data_ptr(), x2.shape[0], self.call_struct(), y.data_ptr(), torch.get_num_threads()):
+            if not x.is_contiguous():
+                x = x.contiguous()
+            y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.bfloat16)
+            if lib.hs_gguf_apply(x.data_ptr(), x.numel() // self.in_features, self.call_struct(), y.data_ptr(),
+                                 torch.get_num_threads()):
                 raise MemoryError("hydraspec CPU kernel: out of memory")
-            return y.view(*shape[:-1], self.out_features)
+            return y
         return self.reference(x)
 
     def call_struct(self) -> int:
