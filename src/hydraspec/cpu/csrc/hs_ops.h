@@ -358,14 +358,17 @@ static inline uint16_t silu_mul1(float x, float u) {
    -> out [n, I] = bf(bf(silu(g)) * u), silu = x * (x >= 0 ? 1 : e) / (1 + e) with e = e^-|x| */
 int hs_silu_mul_bf16(const uint16_t* g, int64_t gs, const uint16_t* u, int64_t us, int64_t n, int64_t I,
                      uint16_t* out, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if(n * I >= 65536)
-    for (int64_t r = 0; r < n; r++) {
+    /* tasks: rows x column chunks (multiples of 8, so each element takes the same path as in one pass) */
+    const int64_t parts = n >= nthreads || I < 2048 ? 1 : nthreads, chunk = ((I + parts - 1) / parts + 7) / 8 * 8;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(n * I >= 4096)
+    for (int64_t t = 0; t < n * parts; t++) {
+        const int64_t r = t / parts, lo = (t % parts) * chunk, hi = lo + chunk < I ? lo + chunk : I;
         const uint16_t* gr = g + r * gs;
         const uint16_t* ur = u + r * us;
         uint16_t* o = out + r * I;
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
+        int64_t i = lo;
+        for (; i + 8 <= hi; i += 8) {
             const __m256 x = ld8_bf16(gr, i);
             const __m256 e = exp_neg8(_mm256_or_ps(x, sign)); /* e^-|x| */
             const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
@@ -375,7 +378,7 @@ int hs_silu_mul_bf16(const uint16_t* g, int64_t gs, const uint16_t* u, int64_t u
             _mm_storeu_si128((__m128i*)(o + i),
                              _mm_packus_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1)));
         }
-        for (; i < I; i++) o[i] = silu_mul1(bf2f(gr[i]), bf2f(ur[i]));
+        for (; i < hi; i++) o[i] = silu_mul1(bf2f(gr[i]), bf2f(ur[i]));
     }
     return 0;
 }
