@@ -213,7 +213,9 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
 #define NB4 6
 /* 4-bit and GGUF kernels read their weights this many bytes ahead: with one or a few rows they stream the
    weights, and a load issued by the loop itself reached ~70-85 % of a bare read loop's speed (docs/cpu-kernels.md) */
+#ifndef PF_AHEAD /* (scripts/prefetch_probe.py builds other distances) */
 #define PF_AHEAD 1024
+#endif
 #define DEFW4(N) \
 VNNI static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4, const uint8_t* wb, \
                         const float* sb, const float* sx, uint16_t* y, int64_t out, int64_t o0, int64_t width, \
