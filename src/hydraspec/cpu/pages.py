@@ -42,7 +42,9 @@ def _tensors(module: nn.Module):
     for m in module.modules():
         for d in (m._parameters, m._buffers, m.__dict__):
             for k, t in list(d.items()):
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
+                # plain tensors and parameters only: a tensor subclass may keep its bytes elsewhere
+                if (type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.layout == torch.strided
+                        and not t.is_quantized):
                     yield d, k, t
 
 
