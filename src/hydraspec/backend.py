@@ -45,12 +45,9 @@ def fuse_ops(model: nn.Module) -> dict[str, int]:
 def huge_pages(model: nn.Module) -> int:
     """Move the model's large CPU tensors into 2 MB pages (hydraspec.cpu.pages; the numbers do not change);
     returns the bytes moved, 0 where huge pages are off or unavailable. The old pages go back to the system."""
-    from .cpu import kernels, pages
+    from .cpu import pages
 
-    moved = pages.to_huge_pages(model)
-    if moved:
-        kernels.release_free_memory()
-    return moved
+    return pages.to_huge_pages(model)
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,8 @@ import os
 import torch
 from torch import nn
 
+from .kernels import release_free_memory
+
 __all__ = ["HUGE_PAGE", "available", "to_huge_pages"]
 
 HUGE_PAGE = 2 << 20
@@ -51,7 +53,8 @@ def _tensors(module: nn.Module):
 def to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
     """Move every storage of at least ``min_bytes`` that ``module`` holds into one huge-page mapping; returns
     the bytes moved (0 where :func:`available` is false). Each old storage is let go as soon as it is copied,
-    and freed memory goes back to the system every 64 MB, so memory grows by about that much while this runs."""
+    and freed memory goes back to the system every 64 MB and at the end, so memory grows by about that much
+    while this runs."""
     if not available():
         return 0
     groups: dict[int, list] = {}  # storage address -> [storage, [(holder, key, tensor)]]
@@ -70,8 +73,6 @@ def to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
     storage = arena.untyped_storage()
     at = (-arena.data_ptr()) % HUGE_PAGE  # the first byte on a huge-page boundary
     freed = 0
-    from .kernels import release_free_memory
-
     moved: dict[int, torch.Tensor] = {}  # id(old tensor) -> its new tensor (a tied parameter stays one object)
     for addr in list(groups):
         old, users = groups.pop(addr)
@@ -91,4 +92,5 @@ def to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
         if freed >= _RELEASE_EVERY:  # freed heap pages back to the system as we go, not at the end
             release_free_memory()
             freed = 0
+    release_free_memory()
     return total
