@@ -769,11 +769,10 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
         model, tok = load_model(name, dtype=dtype, device=device, quant=base, prepack=False if requant else None,
                                 draft_vocab=vocab, tokenizer=tokenizer)
     if requant:
-        quantize_draft(model, quant)
-        if next(model.parameters()).device.type == "cpu":
-            from .backend import huge_pages
+        quantize_draft(model, quant)  # (CPU only: it refuses other devices)
+        from .backend import huge_pages
 
-            huge_pages(model)
+        huge_pages(model)
     return model, tok
 
 
