@@ -310,3 +310,39 @@ def test_w4a8_built_chunk_by_chunk_equals_built_whole(monkeypatch):
         chunked = k.W4A8Linear(lin, 32)
         monkeypatch.setattr(k, "_CHUNK_ROWS", 2048)
         assert torch.equal(whole.qweight, chunked.qweight) and torch.equal(whole.scale, chunked.scale)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_w4a8_draft_joins_sibling_projections_exactly(native, monkeypatch):
+    """quantize_draft(w4a8) joins q/k/v and gate/up into one 4-bit weight each; every output equals the
+    separate weight's, with the native kernel and with its torch reference."""
+    from hydraspec.cpu import kernels
+    from hydraspec.quantize import quantize_draft
+    from hydraspec.shared_input import Projection, SharedInput
+
+    if not native:
+        monkeypatch.setattr(kernels, "int8_dot_lib", lambda: None)
+    base = tiny.make_model("qwen2", seed=5, hidden=128, heads=4, kv_heads=2, init_range=0.05).to(torch.bfloat16)
+    separate = copy.deepcopy(base)
+    kernels.quantize_w4a8(separate)
+    if native and kernels.int8_dot_lib() is None:
+        pytest.skip("no int8 dot-product kernel on this machine")
+    joined = quantize_draft(base, "w4a8") if native else _quantize_draft_with_reference(base, monkeypatch)
+    shared = [m for m in joined.modules() if isinstance(m, SharedInput)]
+    assert len(shared) == 2 * 2  # q/k/v and gate/up of both layers
+    assert all(isinstance(m.joined, kernels.W4A8Linear) for m in shared)
+    assert isinstance(joined.model.layers[0].self_attn.v_proj, Projection)
+    ids = torch.tensor([[3, 17, 44, 9, 61, 2, 30]])
+    with torch.inference_mode():
+        assert torch.equal(joined(ids).logits, separate(ids).logits)
+
+
+def _quantize_draft_with_reference(model, monkeypatch):
+    """quantize_draft needs the kernel to allow w4a8; build with it claimed, then run the torch reference."""
+    from hydraspec.cpu import kernels
+    from hydraspec.quantize import quantize_draft
+
+    monkeypatch.setattr(kernels, "int8_dot_lib", lambda: object())
+    quantize_draft(model, "w4a8")
+    monkeypatch.setattr(kernels, "int8_dot_lib", lambda: None)
+    return model

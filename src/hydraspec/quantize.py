@@ -28,7 +28,8 @@ def auto_draft_quant(weights: str) -> str:
 
 def quantize_draft(model, how: str | None):
     """Quantise a draft model's Linear weights in place (``how``: none | int8 | w8a8 | w4a8, see
-    hydraspec.cpu.kernels.Int8Linear / W8A8Linear / W4A8Linear); returns the model."""
+    hydraspec.cpu.kernels.Int8Linear / W8A8Linear / W4A8Linear); returns the model. With w4a8 the sibling
+    projections of a layer (q/k/v, gate/up) are then joined into one weight each (hydraspec.shared_input)."""
     if how in (None, "none"):
         return model
     if how not in DRAFT_QUANT:
@@ -41,5 +42,10 @@ def quantize_draft(model, how: str | None):
         raise HydraspecError(f"--draft-quant {how} needs the native CPU kernel (AVX2 or AVX512_VNNI and a C "
                              "compiler); use int8")
     {"int8": quantize_int8, "w8a8": quantize_w8a8, "w4a8": quantize_w4a8}[how](model)
+    if how == "w4a8":  # q/k/v and gate/up in one kernel call each, as at the file's precision
+        from .cpu.kernels import W4A8Linear, can_join_w4a8
+        from .shared_input import fuse_siblings
+
+        fuse_siblings(model, can_join_w4a8, W4A8Linear.concat)
     release_free_memory()  # the replaced weights' pages
     return model

@@ -498,9 +498,35 @@ class W4A8Linear(nn.Module):
         y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    @classmethod
+    def concat(cls, parts: list["W4A8Linear"]) -> "W4A8Linear":
+        """One W4A8Linear whose outputs are those of ``parts`` one after another (same input size and group,
+        every part but the last a whole number of 32-row blocks: see :func:`can_join_w4a8`). The codes and
+        scales are the parts' own, so each output is computed exactly as its part computes it."""
+        if not can_join_w4a8(parts):
+            raise ValueError("these 4-bit weights differ in input size or group, or are not block-aligned")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        first = parts[0]
+        self.in_features, self.out_features, self.group = first.in_features, sum(p.out_features for p in parts), first.group
+        self.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
+        self.register_buffer("scale", torch.cat([p.scale for p in parts]))
+        biases = [p.bias32 for p in parts]
+        self.register_buffer("bias32", None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(p.out_features) if b is None else b for p, b in zip(parts, biases)]))
+        return self
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, 4-bit weights (groups of "
                 f"{self.group}), int8 activations")
+
+
+def can_join_w4a8(parts: list[nn.Module]) -> bool:
+    """Whether :meth:`W4A8Linear.concat` can join ``parts``: all W4A8Linear with one input size and group,
+    every part but the last a whole number of 32-row blocks."""
+    return (len(parts) > 1 and all(type(p) is W4A8Linear for p in parts)
+            and len({(p.in_features, p.group) for p in parts}) == 1
+            and all(p.out_features % PACK_BLOCK == 0 for p in parts[:-1]))
 
 
 def quantize_w4a8(model: nn.Module) -> int:
