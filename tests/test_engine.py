@@ -562,3 +562,36 @@ def test_draft_leaves_refuse_bad_settings():
         DraftModelDrafter(draft, leaves=2, leaf_gain=1.5)
     with pytest.raises(HydraspecError, match="chain only"):
         DraftModelDrafter(draft, widths=[2, 1], leaves=3)
+
+
+@pytest.mark.parametrize("confidence", [0.05, 0.3])
+def test_draft_path_stop_is_exact_and_stops_where_the_chain_gets_unlikely(confidence, tok):
+    """stop="path": the chain ends once the product of the draft's top probabilities falls below the
+    confidence. Output stays plain decoding's; every proposal's chain probability (but the first token's)
+    is at least the confidence, and a chain cut short would have fallen below it with the next token."""
+    family, attn, seed = CASES[2]
+    model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
+
+    class Watch(DraftModelDrafter):
+        def propose(self, state):
+            tree = super().propose(state)
+            toks = tree.tokens.tolist()
+            with torch.no_grad():
+                lg = self.model(torch.tensor([state.tokens + toks])).logits[0, len(state.tokens) - 1:].float()
+            top = torch.softmax(lg, -1).max(-1).values.tolist()  # draft's top probability at each chain position
+            reach = 1.0
+            for i in range(len(toks)):
+                reach *= top[i]
+                assert i == 0 or reach >= confidence * (1 - 1e-4)
+            if len(toks) < self.k:  # stopped by the confidence test, not the length
+                assert reach * top[len(toks)] < confidence * (1 + 1e-4)
+            lengths.append(len(toks))
+            return tree
+
+    prompt = prompts_for(seed)[0]
+    ref = tiny.hf_greedy(model, prompt, 24)
+    lengths = []
+    res = run(model, tok, Watch(draft, k=4, dynamic=False, confidence=confidence, stop="path"), prompt, 24)
+    assert res.token_ids == ref
+    assert min(lengths) >= 1 and max(lengths) <= 4
+    assert confidence > 0.1 or max(lengths) > 1  # a lax stop lets chains grow on these models

@@ -11,7 +11,7 @@ from .errors import HydraspecError
 
 from .models import DEVICES, DTYPES
 from .options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, leaves_option, \
-    thread_count
+    shipped_tree_for, thread_count
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
@@ -32,7 +32,8 @@ def add_model_args(p) -> None:
 
 def add_method_args(p) -> None:
     p.add_argument("--draft-model", help="smaller model with the same tokenizer (method 'draft')")
-    p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="draft tokens per step to start with (default 5, or the tree shipped for the pair)")
     add_draft_quant_arg(p)
     add_draft_vocab_arg(p)
     p.add_argument("--no-dynamic", action="store_true", help="keep the draft length fixed at --draft-k")
@@ -105,8 +106,12 @@ def build_drafter(args, target_tok, draft=None, model=None):
                                     **dynamic_options(args))
             return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                                 tree=args.tree, confidence=args.draft_confidence)  # a tree.json brings its stop
+        shipped = shipped_tree_for(args)
+        if shipped is not None:
+            return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                                tree=shipped)
         return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                            k=args.draft_k, dynamic=not args.no_dynamic, widths=widths,
+                            k=5 if args.draft_k is None else args.draft_k, dynamic=not args.no_dynamic, widths=widths,
                             confidence=args.draft_confidence, **leaves_option(args, widths))
     return make_drafter("ar")
 

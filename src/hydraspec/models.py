@@ -776,6 +776,22 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
     return model, tok
 
 
+def shipped_draft_tree(target: str, draft: str, device: str = "auto", quant: str = "auto",
+                       draft_quant: str | None = "auto") -> Path | None:
+    """The draft tree shipped for a registry target and draft model at their precisions (``quant`` and
+    ``draft_quant`` as load_model and load_draft_model resolve them), or None. Each file is the output of
+    ``hydraspec build-tree`` for that pair (its calibration prompts and timings inside); it is what
+    ``--method draft`` drafts with when no draft shape is given."""
+    if target not in REGISTRY or draft not in REGISTRY:
+        return None
+    from .quantize import auto_draft_quant
+
+    tq = resolve_quant(quant, target, device)
+    dq = draft_quant if draft_quant not in (None, "auto") else auto_draft_quant(resolve_quant("auto", draft, device))
+    path = Path(__file__).parent / "data" / "trees" / f"{target}+{draft}.{tq}-{dq}.json"
+    return path if path.is_file() else None
+
+
 QUANTS = ("auto", "gguf", "none")
 
 

@@ -53,3 +53,28 @@ def leaves_option(args, widths=None) -> dict:
     if n and (widths or getattr(args, "tree", None)):
         raise HydraspecError("--draft-leaves applies to the draft chain, not to --draft-tree or --tree")
     return {"leaves": n}
+
+
+def default_draft_shape(args) -> bool:
+    """Whether no draft shape was asked for (no --tree, --draft-tree, --draft-k, --no-dynamic,
+    --draft-confidence or --draft-leaves): then a shipped tree for the pair may be used."""
+    return (getattr(args, "tree", None) is None and getattr(args, "draft_tree", None) is None
+            and getattr(args, "draft_k", None) is None and not getattr(args, "no_dynamic", False)
+            and getattr(args, "draft_confidence", None) is None and getattr(args, "draft_leaves", None) is None)
+
+
+def shipped_tree_for(args) -> str | None:
+    """The shipped draft tree (hydraspec.models.shipped_draft_tree) for ``args``' target and draft model when
+    no draft shape was asked for, else None; says on stderr which file it drafts with."""
+    import sys
+
+    from .models import shipped_draft_tree
+
+    if not default_draft_shape(args) or not getattr(args, "draft_model", None):
+        return None
+    path = shipped_draft_tree(args.model, args.draft_model, getattr(args, "device", "auto"),
+                              getattr(args, "quant", "auto"), getattr(args, "draft_quant", "auto"))
+    if path is not None:
+        print(f"hydraspec: drafting with the tree chosen for this pair on a CPU ({path.name}); "
+              "--draft-k, --tree or --draft-confidence choose another", file=sys.stderr)
+    return None if path is None else str(path)

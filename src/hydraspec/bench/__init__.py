@@ -62,7 +62,8 @@ def add_parser(subparsers):
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="output directory: records.jsonl, results.json, results.md, speedup.png, answers/")
-    p.add_argument("--draft-k", type=int, default=5, help="draft tokens per step to start with (default 5)")
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="draft tokens per step to start with (default 5, or the tree shipped for the pair)")
     p.add_argument("--draft-confidence", type=float, default=None,
                    help="greedy drafting by the draft model stops when its top probability falls below this "
                         "(default 0.4 for the chain; off for a static tree unless given)")

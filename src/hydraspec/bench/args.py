@@ -30,7 +30,7 @@ def check_args(args, methods: list[str]) -> None:
         raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise HydraspecError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.draft_k < 1 or args.pld_tokens < 1:
+    if (args.draft_k is not None and args.draft_k < 1) or args.pld_tokens < 1:
         raise HydraspecError("--draft-k and --pld-tokens must be at least 1")
     if getattr(args, "skip", 0) < 0:
         raise HydraspecError(f"--skip must be at least 0, got {args.skip}")

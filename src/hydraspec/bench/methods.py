@@ -188,15 +188,18 @@ def _engine(method: str):
                 raise HydraspecError("method 'draft' needs --draft-model")
             dm, dtok = ctx.draft
             conf = getattr(a, "draft_confidence", None)
-            from ..options import leaves_option
+            from ..options import leaves_option, shipped_tree_for
 
             leaves = leaves_option(a)  # refuses leaves with a tree
             if getattr(a, "tree", None):
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
                                        confidence=conf, **_tree_options(a))
+            elif (shipped := shipped_tree_for(a)) is not None:
+                drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
+                                       tree=shipped)
             else:
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
-                                       draft_tokenizer=dtok, k=a.draft_k, confidence=conf, **leaves)
+                                       draft_tokenizer=dtok, k=5 if a.draft_k is None else a.draft_k, confidence=conf, **leaves)
         else:
             drafter = make_drafter(method)
         return EngineRunner(ctx, drafter)

@@ -7,7 +7,7 @@ the row's prefix. One draft forward per depth serves every row still drafting.
 
 Guarantee: each row proposes exactly what the single-sequence drafter would (same tokens, same q, same
 draws from the row's own generator): its own dynamic length (:func:`next_length`), the greedy confidence
-stop, and after verification the draft cache keeps only the accepted drafts.
+stop (per token or along the path), and after verification the draft cache keeps only the accepted drafts.
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ class DraftBatch:
         toks: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         drafting = [True] * len(rows)
+        reach = [0.0] * len(rows)  # path stop: log of each row's chain probability under the draft
         for depth in range(max(r.k for r in rows)):
             for b, (r, s) in enumerate(zip(rows, states)):
                 if not drafting[b] or depth >= r.k:
@@ -106,10 +107,14 @@ class DraftBatch:
                 lg = logits[b]
                 if s.sampling.greedy:
                     top = torch.topk(lg, 1)
-                    if p.confidence > 0 and toks[b] and \
-                            top.values[0].item() - torch.logsumexp(lg, -1).item() < p.log_confidence:
-                        drafting[b] = False
-                        continue
+                    if p.confidence > 0:
+                        lp = top.values[0].item() - torch.logsumexp(lg, -1).item()
+                        if p.stop == "path":
+                            reach[b] += lp
+                            lp = reach[b]
+                        if toks[b] and lp < p.log_confidence:
+                            drafting[b] = False
+                            continue
                     toks[b].append(int(top.indices[0]))
                 else:
                     probs = s.sampling.probs(lg)

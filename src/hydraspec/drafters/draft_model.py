@@ -25,6 +25,7 @@ def check_vocab(target_tok, draft_tok) -> None:
 
 
 DEFAULT_CONFIDENCE = 0.4  # the chain's stop: the draft's top probability below this ends a draft
+STOPS = ("token", "path")  # what the confidence stop tests: the next token's probability, or the whole chain's
 DEFAULT_LEAF_GAIN = 0.05  # a runner-up leaf must be estimated to add at least this many tokens per step
 
 
@@ -43,7 +44,11 @@ class DraftModelDrafter(Drafter):
     children without replacement from the draft's warped distribution and reports it as q.
     The draft model keeps its own cache, compacted to the accepted path after every step.
     `confidence`: in greedy chain mode, stop drafting once the draft's top probability falls below it
-    (default 0.4).
+    (default 0.4). With ``stop="path"`` the test is on the whole chain instead: drafting stops once the
+    product of the draft's top probabilities along the chain (its estimate that every drafted token is
+    accepted) falls below `confidence`, so a draft token is added only while it is likely enough to be
+    reached and taken to pay for its forward and verify row; confident runs (code) draft long chains,
+    unsure text (chat) short ones.
     `tree`: a static tree of sibling-rank paths (Medusa "choices", e.g. from `hydraspec build-tree`, a
     tree.json file or its dict) instead of `widths`: node [.., r] holds its parent's rank-r draft token.
     With `confidence` given (default: off for static trees), greedy decoding cuts a static tree at the
@@ -61,9 +66,12 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model, k: int = 5, dynamic: bool = True, widths: list[int] | None = None,
                  max_k: int = 16, confidence: float | None = None, tree=None, leaves: int = 0,
-                 leaf_gain: float = DEFAULT_LEAF_GAIN):
+                 leaf_gain: float = DEFAULT_LEAF_GAIN, stop: str = "token"):
         check_supported(model)
         self.model = model
+        if stop not in STOPS:
+            raise HydraspecError(f"unknown draft stop '{stop}'; choose one of: {', '.join(STOPS)}")
+        self.stop = stop
         if leaves < 0:
             raise HydraspecError(f"draft leaves must be >= 0, got {leaves}")
         if not 0 <= leaf_gain <= 1:
@@ -157,6 +165,7 @@ class DraftModelDrafter(Drafter):
         qrows: list[torch.Tensor] = []
         frontier = [(-1, logits[-1])]  # (parent node, logits at that parent)
         fed = 0
+        reach = 0.0  # path stop: log of the draft's probability that the chain so far is all accepted
         self.fed_slot, self.leaf_nodes = None, set()
         leafy = greedy and self.leaves > 0
         dists: list[torch.Tensor] = []  # chain mode with leaves: logits at each chain position (+ the stop's)
@@ -166,8 +175,13 @@ class DraftModelDrafter(Drafter):
                     if leafy:
                         dists.append(lg)
                     top = torch.topk(lg, width)
-                    if self.confidence > 0 and not self.widths and tokens and self._unsure(lg):
-                        continue  # always propose at least one token
+                    if self.confidence > 0 and not self.widths:
+                        if self.stop == "path":
+                            reach += log_top_prob(lg).item()
+                            if tokens and reach < self.log_confidence:
+                                continue  # always propose at least one token
+                        elif tokens and self._unsure(lg):
+                            continue
                     cand = top.indices
                 else:
                     p = sampling.probs(lg)

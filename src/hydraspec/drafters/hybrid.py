@@ -22,9 +22,10 @@ class LookupHybridDrafter(Drafter):
     step (a Hydra++ prefix layer must be fed every committed state).
     """
 
-    def __init__(self, inner: Drafter, lookup: PromptLookupDrafter | None = None):
+    def __init__(self, inner: Drafter, lookup: PromptLookupDrafter | None = None, prefer_lookup: bool = False):
         self.inner = inner
         self.lookup = lookup or PromptLookupDrafter()
+        self.prefer_lookup = prefer_lookup
         self.name = f"pld+{inner.name}"
         self.needs_hidden = inner.needs_hidden
         self.max_nodes = inner.max_nodes + self.lookup.max_nodes
@@ -34,7 +35,7 @@ class LookupHybridDrafter(Drafter):
         self._mode = "merge"
 
     def fork(self) -> "LookupHybridDrafter":
-        twin = LookupHybridDrafter(self.inner.fork(), self.lookup.fork())
+        twin = LookupHybridDrafter(self.inner.fork(), self.lookup.fork(), self.prefer_lookup)
         twin.name = self.name
         return twin
 
@@ -43,6 +44,11 @@ class LookupHybridDrafter(Drafter):
         self.lookup.start(state, capacity)
 
     def propose(self, state: DecodeState) -> DraftTree:
+        if self.prefer_lookup:
+            chain = self.lookup.propose(state)
+            if len(chain):  # the inner drafter is not run this step; it catches up on its next proposal
+                self._mode = "lookup-only"
+                return chain
         tree = self.inner.propose(state)
         chain = self.lookup.propose(state)
         if not state.sampling.greedy:
@@ -76,6 +82,9 @@ class LookupHybridDrafter(Drafter):
                          tuple(-1 if parents[i] < 0 else pos[parents[i]] for i in order))
 
     def observe(self, state: DecodeState, accepted: list[int]) -> None:
+        if self._mode == "lookup-only":
+            self.lookup.observe(state, accepted)
+            return
         if self._mode == "lookup":
             self.lookup.observe(state, accepted)
             self.inner.observe(state, [])
