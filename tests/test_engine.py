@@ -594,4 +594,3 @@ def test_draft_path_stop_is_exact_and_stops_where_the_chain_gets_unlikely(confid
     res = run(model, tok, Watch(draft, k=4, dynamic=False, confidence=confidence, stop="path"), prompt, 24)
     assert res.token_ids == ref
     assert min(lengths) >= 1 and max(lengths) <= 4
-    assert confidence > 0.1 or max(lengths) > 1  # a lax stop lets chains grow on these models
