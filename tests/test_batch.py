@@ -46,6 +46,8 @@ DRAFTERS = {
     "draft-chain": lambda m: make_drafter("draft", draft_model(), k=3, dynamic=True, max_k=6, confidence=0.0),
     "draft-confident": lambda m: make_drafter("draft", draft_model(), k=4, confidence=0.05),
     "draft-path": lambda m: make_drafter("draft", draft_model(), k=4, confidence=0.2, stop="path"),
+    # prompt lookup where it matches, else the draft model (not run on lookup steps; it catches up)
+    "pld+draft": lambda m: make_drafter("pld+draft", draft_model(), k=3, confidence=0.0, pld_tokens=5, pld_min_ngram=1),
     "draft-tree": lambda m: make_drafter("draft", draft_model(), widths=[2, 2, 1]),
     "draft-leaves": lambda m: make_drafter("draft", draft_model(), k=3, dynamic=False, confidence=0.0, leaves=2,
                                            leaf_gain=0.0),

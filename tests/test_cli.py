@@ -47,8 +47,11 @@ def test_draft_and_ar_agree_through_the_cli(saved, capsys):
     _, ar, _ = run(capsys, *common, "--method", "ar")
     _, dr, _ = run(capsys, *common, "--method", "draft", "--draft-model", str(saved / "draft"))
     _, tr, _ = run(capsys, *common, "--method", "draft", "--draft-model", str(saved / "draft"), "--draft-tree", "2,2")
-    ar, dr, tr = json.loads(ar), json.loads(dr), json.loads(tr)
-    assert ar["token_ids"] == dr["token_ids"] == tr["token_ids"]
+    _, pd, _ = run(capsys, *common, "--method", "pld+draft", "--draft-model", str(saved / "draft"),
+                   "--pld-min-ngram", "1")
+    ar, dr, tr, pd = json.loads(ar), json.loads(dr), json.loads(tr), json.loads(pd)
+    assert ar["token_ids"] == dr["token_ids"] == tr["token_ids"] == pd["token_ids"]
+    assert pd["method"] == "pld+draft"
     assert ar["mean_accepted"] == 1.0
 
 

@@ -594,3 +594,33 @@ def test_draft_path_stop_is_exact_and_stops_where_the_chain_gets_unlikely(confid
     res = run(model, tok, Watch(draft, k=4, dynamic=False, confidence=confidence, stop="path"), prompt, 24)
     assert res.token_ids == ref
     assert min(lengths) >= 1 and max(lengths) <= 4
+
+
+def test_pld_draft_runs_the_draft_model_only_where_lookup_finds_nothing(tok):
+    """pld+draft: a step with a prompt-lookup match verifies that chain and skips the draft model, which
+    catches up later; output stays plain decoding's."""
+    from hydraspec.drafters.hybrid import LookupHybridDrafter
+    from hydraspec.drafters.prompt_lookup import PromptLookupDrafter
+
+    family, attn, seed = CASES[0]
+    model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
+    inner_steps, lookup_steps = [], []
+
+    class Inner(DraftModelDrafter):
+        def propose(self, state):
+            inner_steps.append(len(state.tokens))
+            return super().propose(state)
+
+    class Lookup(PromptLookupDrafter):
+        def propose(self, state):
+            tree = super().propose(state)
+            lookup_steps.append(len(tree))
+            return tree
+
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    ref = tiny.hf_greedy(model, prompt, 24)
+    d = LookupHybridDrafter(Inner(draft, k=2, confidence=0.0), Lookup(num_tokens=4, min_ngram=1), prefer_lookup=True)
+    res = run(model, tok, d, prompt, 24)
+    assert res.token_ids == ref
+    matched = sum(1 for n in lookup_steps if n)
+    assert matched and len(inner_steps) == len(lookup_steps) - matched  # the draft model ran on the other steps only

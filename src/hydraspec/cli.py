@@ -92,6 +92,17 @@ def build_drafter(args, target_tok, draft=None, model=None):
     if method == "pld":
         return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram,
                             min_ngram=args.pld_min_ngram)
+    if method == "pld+draft":
+        from .drafters.hybrid import LookupHybridDrafter
+        from .drafters.prompt_lookup import PromptLookupDrafter
+
+        args.method = "draft"
+        try:
+            inner = build_drafter(args, target_tok, draft, model)
+        finally:
+            args.method = method
+        lookup = PromptLookupDrafter(num_tokens=args.pld_tokens, max_ngram=args.pld_ngram, min_ngram=args.pld_min_ngram)
+        return LookupHybridDrafter(inner, lookup, prefer_lookup=True)
     if method == "draft":
         if draft is None:
             raise HydraspecError("method 'draft' needs --draft-model")
@@ -151,7 +162,7 @@ def cmd_generate_batch(args) -> int:
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method == "draft" and not args.draft_model:
+    if args.method in ("draft", "pld+draft") and not args.draft_model:
         raise HydraspecError("method 'draft' needs --draft-model")
     if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
@@ -160,7 +171,7 @@ def cmd_generate_batch(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
-        if args.method == "draft" else None
+        if args.method in ("draft", "pld+draft") else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))
@@ -213,7 +224,7 @@ def cmd_generate(args) -> int:
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method == "draft" and not args.draft_model:
+    if args.method in ("draft", "pld+draft") and not args.draft_model:
         raise HydraspecError("method 'draft' needs --draft-model")
     if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
@@ -221,7 +232,7 @@ def cmd_generate(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
-        if args.method == "draft" else None
+        if args.method in ("draft", "pld+draft") else None
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     streamer = None
@@ -470,7 +481,7 @@ def cmd_serve(args) -> int:
     torch.set_num_threads(args.threads or thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method == "draft" else None
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in ("draft", "pld+draft") else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,

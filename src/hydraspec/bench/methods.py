@@ -183,9 +183,9 @@ def _engine(method: str):
         a = ctx.args
         if method == "pld":
             drafter = make_drafter("pld", num_tokens=a.pld_tokens)
-        elif method == "draft":
+        elif method in ("draft", "pld+draft"):
             if ctx.draft is None:
-                raise HydraspecError("method 'draft' needs --draft-model")
+                raise HydraspecError(f"method '{method}' needs --draft-model")
             dm, dtok = ctx.draft
             conf = getattr(a, "draft_confidence", None)
             from ..options import leaves_option, shipped_tree_for
@@ -200,6 +200,11 @@ def _engine(method: str):
             else:
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
                                        draft_tokenizer=dtok, k=5 if a.draft_k is None else a.draft_k, confidence=conf, **leaves)
+            if method == "pld+draft":
+                from ..drafters.hybrid import LookupHybridDrafter
+                from ..drafters.prompt_lookup import PromptLookupDrafter
+
+                drafter = LookupHybridDrafter(drafter, PromptLookupDrafter(num_tokens=a.pld_tokens), prefer_lookup=True)
         else:
             drafter = make_drafter(method)
         return EngineRunner(ctx, drafter)
@@ -337,6 +342,11 @@ register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--
                               "tree_depth", "tree_topk")))
 register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
                     settings=("pld_tokens",)))
+register(MethodSpec("pld+draft", _engine("pld+draft"), "hydraspec prompt lookup where it matches, else the draft model "
+                                                        "(--draft-model, --pld-tokens)",
+                    needs_draft=True,
+                    settings=("draft_model", "draft_k", "draft_confidence", "draft_leaves", "tree", "tree_nodes",
+                              "tree_depth", "tree_topk", "pld_tokens")))
 register(MethodSpec("medusa", _heads("medusa"), "hydraspec with Medusa heads (--heads, --tree)",
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hydra", _heads("hydra"), "hydraspec with Hydra heads (--heads, --tree)",

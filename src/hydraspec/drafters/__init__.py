@@ -5,7 +5,7 @@ from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
 from .prompt_lookup import PromptLookupDrafter
 
-METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++", "pld+medusa", "pld+hydra", "pld+hydra++")
+METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++", "pld+draft", "pld+medusa", "pld+hydra", "pld+hydra++")
 HEAD_METHODS = ("medusa", "hydra", "hydra++")
 
 
@@ -13,7 +13,8 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
                  **options) -> Drafter:
     """Build the drafter for a method name: 'ar' (none), 'draft' (needs draft_model), 'pld', 'medusa' /
     'hydra' / 'hydra++' (heads=, embed=); 'pld+medusa' / 'pld+hydra' / 'pld+hydra++': prompt lookup merged
-    into the heads' tree (pld_tokens=, pld_ngram=, pld_min_ngram= for the lookup).
+    into the heads' tree (pld_tokens=, pld_ngram=, pld_min_ngram= for the lookup); 'pld+draft': prompt lookup's
+    chain where it finds one, else the draft model's proposal (the draft model is not run that step).
 
     tree= (draft, medusa, hydra): a list of rank paths, a tree.json file / its dict (from `hydraspec
     build-tree`), or "dynamic" for a dynamic tree of tree_nodes nodes, tree_depth levels and tree_topk
@@ -29,7 +30,7 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         lookup = PromptLookupDrafter(num_tokens=lk.get("tokens", 10), max_ngram=lk.get("ngram", 3),
                                      min_ngram=lk.get("min_ngram", 2))
         inner = make_drafter(method[4:], draft_model, target_tokenizer, draft_tokenizer, **options)
-        return LookupHybridDrafter(inner, lookup)
+        return LookupHybridDrafter(inner, lookup, prefer_lookup=method == "pld+draft")
     tree = options.pop("tree", None)
     dyn = {k: options.pop(k) for k in ("tree_nodes", "tree_depth", "tree_topk") if options.get(k) is not None}
     dyn = {k.removeprefix("tree_"): v for k, v in dyn.items()}

@@ -8,7 +8,7 @@ from .prompt_lookup import PromptLookupDrafter
 
 
 class LookupHybridDrafter(Drafter):
-    """Prompt lookup on top of another drafter (methods `pld+medusa`, `pld+hydra`, `pld+hydra++`).
+    """Prompt lookup on top of another drafter (methods `pld+medusa`, `pld+hydra`, `pld+hydra++`, `pld+draft`).
 
     Text that repeats its context (code that restates the prompt's signature, edits, quotes) is what
     prompt lookup drafts best; everything else is what trained heads draft best. Greedy decoding merges
@@ -20,6 +20,10 @@ class LookupHybridDrafter(Drafter):
     uses one drafter's whole tree: prompt lookup's chain when it finds a match (deterministic, so
     lossless stays exact), otherwise the inner drafter's tree. The inner drafter still sees every
     step (a Hydra++ prefix layer must be fed every committed state).
+
+    With ``prefer_lookup`` (method `pld+draft`) a step that finds a prompt-lookup match verifies that chain
+    alone and does not run the inner drafter, whose forward would cost more than its tokens add there (a
+    draft model); the inner drafter catches up on the committed tokens at its next proposal.
     """
 
     def __init__(self, inner: Drafter, lookup: PromptLookupDrafter | None = None, prefer_lookup: bool = False):
@@ -44,13 +48,13 @@ class LookupHybridDrafter(Drafter):
         self.lookup.start(state, capacity)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        if self.prefer_lookup:
-            chain = self.lookup.propose(state)
-            if len(chain):  # the inner drafter is not run this step; it catches up on its next proposal
-                self._mode = "lookup-only"
-                return chain
+        chain = self.lookup.propose(state) if self.prefer_lookup else None
+        if chain is not None and len(chain):  # the inner drafter is not run this step; it catches up later
+            self._mode = "lookup-only"
+            return chain
         tree = self.inner.propose(state)
-        chain = self.lookup.propose(state)
+        if chain is None:
+            chain = self.lookup.propose(state)
         if not state.sampling.greedy:
             self._mode = "lookup" if len(chain) else "inner"
             return chain if len(chain) else tree
