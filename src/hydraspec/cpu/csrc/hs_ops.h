@@ -108,6 +108,49 @@ static inline float lane_sum(__m256 a) {
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
+/* e^(x - mx) for x <= mx, eight at a time: hs_exp_neg's steps in AVX2 (-inf and anything below -87 give
+   0). Every element, the last few too, goes through the same vector code, so its value does not depend on
+   where the span of keys starts or ends. */
+static inline __m256 exp8_neg(__m256 x) {
+    const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                     _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+}
+
+/* s[j] = e^(s[j] - mx) for j < L (mx finite, every s[j] <= mx or -inf) */
+static inline void exp_shifted(float* s, int64_t L, float mx) {
+    const __m256 m = _mm256_set1_ps(mx);
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)));
+    if (j < L) {
+        float t[8];
+        for (int i = 0; i < 8; i++) t[i] = j + i < L ? s[j + i] : -INFINITY;
+        _mm256_storeu_ps(t, exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(t), m)));
+        for (int i = 0; j + i < L; i++) s[j + i] = t[i];
+    }
+}
+
+/* lane_sum of eight vectors at once: out[i] = lane_sum(a[i]), the lanes added in the same order
+   ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) */
+static inline __m256 sum8x8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0 = [a0 lo, a1 lo, a2 lo, a3 lo | a0 hi, a1 hi, a2 hi, a3 hi], u1 the same for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 /* [*lo, *hi): the span of keys a mask row lets its query see (empty: *lo >= *hi); byte masks 32 at a time */
 static inline void visible_span(const void* m, int mkind, int64_t L, int64_t* lo, int64_t* hi) {
     int64_t a = 0, b = L;
@@ -157,22 +200,35 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
                  float* qf, float* s, float* o) {                                                     \
     for (int r = 0; r < 4; r++)                                                                       \
         for (int64_t t = 0; t < D; t += 8) _mm256_storeu_ps(qf + r * D + t, LD8(q[r < nr ? r : 0], t)); \
-    for (int64_t j = 0; j < L; j++) {                                                                 \
-        if (mkind && hidden_for_all(m, nr, mkind, j)) {                                               \
-            s[j] = s[L + j] = s[2 * L + j] = s[3 * L + j] = -INFINITY;                                \
-            continue;                                                                                 \
+    __m256 acc[4][8];                                                                                 \
+    int hid[8];                                                                                       \
+    for (int64_t j0 = 0; j0 < L; j0 += 8) {                                                           \
+        const int nk = L - j0 < 8 ? (int)(L - j0) : 8;                                                \
+        for (int jj = 0; jj < nk; jj++) {                                                             \
+            const int64_t j = j0 + jj;                                                                \
+            hid[jj] = mkind && hidden_for_all(m, nr, mkind, j);                                       \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                               \
+            if (!hid[jj]) {                                                                           \
+                const int64_t kj = j * ks;                                                            \
+                for (int64_t t = 0; t < D; t += 8) {                                                  \
+                    const __m256 kv = LD8(k, kj + t);                                                 \
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + t), kv, a0);                            \
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + D + t), kv, a1);                        \
+                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 2 * D + t), kv, a2);                    \
+                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 3 * D + t), kv, a3);                    \
+                }                                                                                     \
+            }                                                                                         \
+            acc[0][jj] = a0; acc[1][jj] = a1; acc[2][jj] = a2; acc[3][jj] = a3;                       \
         }                                                                                             \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                   \
-        const int64_t kj = j * ks;                                                                    \
-        for (int64_t t = 0; t < D; t += 8) {                                                          \
-            const __m256 kv = LD8(k, kj + t);                                                         \
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + t), kv, a0);                                    \
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + D + t), kv, a1);                                \
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 2 * D + t), kv, a2);                            \
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 3 * D + t), kv, a3);                            \
+        for (int r = 0; r < 4; r++) {                                                                 \
+            float* sr = s + r * L + j0;                                                               \
+            if (nk == 8) {                                                                            \
+                _mm256_storeu_ps(sr, _mm256_mul_ps(sum8x8(acc[r]), _mm256_set1_ps(scale)));           \
+            } else {                                                                                  \
+                for (int jj = 0; jj < nk; jj++) sr[jj] = lane_sum(acc[r][jj]) * scale;                \
+            }                                                                                         \
+            for (int jj = 0; jj < nk; jj++) if (hid[jj]) sr[jj] = -INFINITY;                          \
         }                                                                                             \
-        s[j] = lane_sum(a0) * scale; s[L + j] = lane_sum(a1) * scale;                                 \
-        s[2 * L + j] = lane_sum(a2) * scale; s[3 * L + j] = lane_sum(a3) * scale;                     \
     }                                                                                                 \
     float den[4];                                                                                     \
     for (int r = 0; r < 4; r++) {                                                                     \
@@ -188,10 +244,12 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
             if (sr[j] > mx) mx = sr[j];                                                               \
         }                                                                                             \
         den[r] = 0.0f;                                                                                \
-        for (int64_t j = 0; j < L; j++) {                                                             \
-            sr[j] = (mx == -INFINITY || sr[j] == -INFINITY) ? 0.0f : hs_exp_neg(sr[j] - mx);          \
-            den[r] += sr[j];                                                                          \
+        if (mx == -INFINITY) {                                                                        \
+            for (int64_t j = 0; j < L; j++) sr[j] = 0.0f;                                             \
+        } else {                                                                                      \
+            exp_shifted(sr, L, mx);                                                                   \
         }                                                                                             \
+        for (int64_t j = 0; j < L; j++) den[r] += sr[j];                                              \
     }                                                                                                 \
     for (int64_t t0 = 0; t0 < DV; t0 += 16) {                                                         \
         const int two = DV - t0 >= 16;                                                                \
