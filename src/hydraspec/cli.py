@@ -96,35 +96,37 @@ def build_drafter(args, target_tok, draft=None, model=None):
         from .drafters.hybrid import LookupHybridDrafter
         from .drafters.prompt_lookup import PromptLookupDrafter
 
-        args.method = "draft"
-        try:
-            inner = build_drafter(args, target_tok, draft, model)
-        finally:
-            args.method = method
         lookup = PromptLookupDrafter(num_tokens=args.pld_tokens, max_ngram=args.pld_ngram, min_ngram=args.pld_min_ngram)
-        return LookupHybridDrafter(inner, lookup, prefer_lookup=True)
+        return LookupHybridDrafter(_draft_drafter(args, target_tok, draft, method), lookup, prefer_lookup=True)
     if method == "draft":
-        if draft is None:
-            raise HydraspecError("method 'draft' needs --draft-model")
-        widths = _widths(args.draft_tree) if args.draft_tree else None
-        dm, dtok = draft
-        if getattr(args, "tree", None):
-            if widths:
-                raise HydraspecError("give either --draft-tree or --tree, not both")
-            leaves_option(args)
-            if is_dynamic(args):
-                return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                                    **dynamic_options(args))
-            return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                                tree=args.tree, confidence=args.draft_confidence)  # a tree.json brings its stop
-        shipped = shipped_tree_for(args)
-        if shipped is not None:
-            return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                                tree=shipped)
-        return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                            k=5 if args.draft_k is None else args.draft_k, dynamic=not args.no_dynamic, widths=widths,
-                            confidence=args.draft_confidence, **leaves_option(args, widths))
+        return _draft_drafter(args, target_tok, draft, method)
     return make_drafter("ar")
+
+
+def _draft_drafter(args, target_tok, draft, method: str):
+    """The draft model's drafter as the draft options ask (the pair's shipped tree when none do)."""
+    from .drafters import make_drafter
+
+    if draft is None:
+        raise HydraspecError(f"method '{method}' needs --draft-model")
+    widths = _widths(args.draft_tree) if args.draft_tree else None
+    dm, dtok = draft
+    if getattr(args, "tree", None):
+        if widths:
+            raise HydraspecError("give either --draft-tree or --tree, not both")
+        leaves_option(args)
+        if is_dynamic(args):
+            return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                                **dynamic_options(args))
+        return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                            tree=args.tree, confidence=args.draft_confidence)  # a tree.json brings its stop
+    shipped = shipped_tree_for(args)
+    if shipped is not None:
+        return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                            tree=shipped)
+    return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
+                        k=5 if args.draft_k is None else args.draft_k, dynamic=not args.no_dynamic, widths=widths,
+                        confidence=args.draft_confidence, **leaves_option(args, widths))
 
 
 def is_dynamic(args) -> bool:

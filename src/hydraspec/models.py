@@ -784,8 +784,6 @@ def shipped_draft_tree(target: str, draft: str, device: str = "auto", quant: str
     ``--method draft`` drafts with when no draft shape is given."""
     if target not in REGISTRY or draft not in REGISTRY:
         return None
-    from .quantize import auto_draft_quant
-
     tq = resolve_quant(quant, target, device)
     dq = draft_quant if draft_quant not in (None, "auto") else auto_draft_quant(resolve_quant("auto", draft, device))
     path = Path(__file__).parent / "data" / "trees" / f"{target}+{draft}.{tq}-{dq}.json"
