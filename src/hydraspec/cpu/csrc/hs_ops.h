@@ -108,14 +108,12 @@ static inline float lane_sum(__m256 a) {
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-/* e^(x - mx) for x <= mx, eight at a time: hs_exp_neg's steps in AVX2 (-inf and anything below -87 give
-   0). Every element, the last few too, goes through the same vector code, so its value does not depend on
-   where the span of keys starts or ends. */
-static inline __m256 exp8_neg(__m256 x) {
-    const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+/* e^x for 8 lanes of x <= 0: hs_exp_neg's range reduction and polynomial, lane by lane */
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 lim = _mm256_set1_ps(-87.0f);
+    const __m256 xc = _mm256_max_ps(x, lim);
     const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
-                                     _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc));
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc));
     __m256 p = _mm256_set1_ps(1.9875691500e-4f);
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
@@ -124,19 +122,20 @@ static inline __m256 exp8_neg(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, lim, _CMP_GE_OQ));
 }
 
-/* s[j] = e^(s[j] - mx) for j < L (mx finite, every s[j] <= mx or -inf) */
+/* s[j] = e^(s[j] - mx) for j < L (mx finite, every s[j] <= mx or -inf; those give 0). Every element, the last
+   few too, goes through the same vector code, so its value does not depend on where the span of keys starts
+   or ends. */
 static inline void exp_shifted(float* s, int64_t L, float mx) {
     const __m256 m = _mm256_set1_ps(mx);
     int64_t j = 0;
-    for (; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)));
+    for (; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)));
     if (j < L) {
         float t[8];
         for (int i = 0; i < 8; i++) t[i] = j + i < L ? s[j + i] : -INFINITY;
-        _mm256_storeu_ps(t, exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(t), m)));
+        _mm256_storeu_ps(t, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(t), m)));
         for (int i = 0; j + i < L; i++) s[j + i] = t[i];
     }
 }
@@ -388,22 +387,6 @@ int hs_rope_bf16(const uint16_t* q, uint16_t* qo, const uint16_t* k, uint16_t* k
     return 0;
 }
 
-/* e^x for 8 lanes of x <= 0: hs_exp_neg's range reduction and polynomial, lane by lane */
-static inline __m256 exp_neg8(__m256 x) {
-    const __m256 lim = _mm256_set1_ps(-87.0f);
-    const __m256 xc = _mm256_max_ps(x, lim);
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, lim, _CMP_GE_OQ));
-}
 
 /* silu(x) * u for one element, rounded as the vector loop rounds: silu to bf16, then the product */
 static inline uint16_t silu_mul1(float x, float u) {
