@@ -10,8 +10,8 @@ import time
 from .errors import HydraspecError
 
 from .models import DEVICES, DTYPES
-from .options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, leaves_option, \
-    shipped_tree_for, thread_count
+from .options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, draft_k_option, \
+    leaves_option, shipped_tree_for, thread_count
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
@@ -125,8 +125,8 @@ def _draft_drafter(args, target_tok, draft, method: str):
         return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
                             tree=shipped)
     return make_drafter("draft", draft_model=dm, target_tokenizer=target_tok, draft_tokenizer=dtok,
-                        k=5 if args.draft_k is None else args.draft_k, dynamic=not args.no_dynamic, widths=widths,
-                        confidence=args.draft_confidence, **leaves_option(args, widths))
+                        dynamic=not args.no_dynamic, widths=widths, confidence=args.draft_confidence,
+                        **draft_k_option(args), **leaves_option(args, widths))
 
 
 def is_dynamic(args) -> bool:
@@ -165,7 +165,7 @@ def cmd_generate_batch(args) -> int:
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method in ("draft", "pld+draft") and not args.draft_model:
-        raise HydraspecError("method 'draft' needs --draft-model")
+        raise HydraspecError(f"method '{args.method}' needs --draft-model")
     if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     trees = load_batch_trees(getattr(args, "batch_trees", None))
@@ -227,7 +227,7 @@ def cmd_generate(args) -> int:
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method in ("draft", "pld+draft") and not args.draft_model:
-        raise HydraspecError("method 'draft' needs --draft-model")
+        raise HydraspecError(f"method '{args.method}' needs --draft-model")
     if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(thread_count())

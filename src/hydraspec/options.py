@@ -55,6 +55,12 @@ def leaves_option(args, widths=None) -> dict:
     return {"leaves": n}
 
 
+def draft_k_option(args) -> dict:
+    """--draft-k as a make_drafter option; not given: the drafter's own default length."""
+    k = getattr(args, "draft_k", None)
+    return {} if k is None else {"k": k}
+
+
 def default_draft_shape(args) -> bool:
     """Whether no draft shape was asked for (no --tree, --draft-tree, --draft-k, --no-dynamic,
     --draft-confidence or --draft-leaves): then a shipped tree for the pair may be used."""

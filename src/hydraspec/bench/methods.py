@@ -188,7 +188,7 @@ def _engine(method: str):
                 raise HydraspecError(f"method '{method}' needs --draft-model")
             dm, dtok = ctx.draft
             conf = getattr(a, "draft_confidence", None)
-            from ..options import leaves_option, shipped_tree_for
+            from ..options import draft_k_option, leaves_option, shipped_tree_for
 
             leaves = leaves_option(a)  # refuses leaves with a tree
             if getattr(a, "tree", None):
@@ -199,7 +199,7 @@ def _engine(method: str):
                                        tree=shipped)
             else:
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
-                                       draft_tokenizer=dtok, k=5 if a.draft_k is None else a.draft_k, confidence=conf, **leaves)
+                                       draft_tokenizer=dtok, confidence=conf, **draft_k_option(a), **leaves)
             if method == "pld+draft":
                 from ..drafters.hybrid import LookupHybridDrafter
                 from ..drafters.prompt_lookup import PromptLookupDrafter
