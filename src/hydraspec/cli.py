@@ -160,11 +160,11 @@ def cmd_generate_batch(args) -> int:
     prompts = read_prompt_lines(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise HydraspecError("the prompt is empty")
-    from .drafters import METHODS
+    from .drafters import DRAFT_METHODS, METHODS
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method in ("draft", "pld+draft") and not args.draft_model:
+    if args.method in DRAFT_METHODS and not args.draft_model:
         raise HydraspecError(f"method '{args.method}' needs --draft-model")
     if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
@@ -173,7 +173,7 @@ def cmd_generate_batch(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
-        if args.method in ("draft", "pld+draft") else None
+        if args.method in DRAFT_METHODS else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))
@@ -222,11 +222,11 @@ def cmd_generate(args) -> int:
         prompt = args.prompt
     if not prompt or not prompt.strip():
         raise HydraspecError("the prompt is empty")
-    from .drafters import METHODS
+    from .drafters import DRAFT_METHODS, METHODS
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method in ("draft", "pld+draft") and not args.draft_model:
+    if args.method in DRAFT_METHODS and not args.draft_model:
         raise HydraspecError(f"method '{args.method}' needs --draft-model")
     if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
@@ -234,7 +234,7 @@ def cmd_generate(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
-        if args.method in ("draft", "pld+draft") else None
+        if args.method in DRAFT_METHODS else None
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     streamer = None
@@ -470,7 +470,7 @@ def cmd_serve(args) -> int:
     import torch
 
     from .batch import BatchGenerator
-    from .drafters import METHODS
+    from .drafters import DRAFT_METHODS, METHODS
     from .models import load_draft_model, load_model
 
     if args.method not in METHODS:
@@ -483,7 +483,7 @@ def cmd_serve(args) -> int:
     torch.set_num_threads(args.threads or thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in ("draft", "pld+draft") else None
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in DRAFT_METHODS else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,

@@ -178,12 +178,12 @@ class EngineRunner(Runner):
 
 def _engine(method: str):
     def factory(ctx: BenchContext) -> Runner:
-        from ..drafters import make_drafter
+        from ..drafters import DRAFT_METHODS, make_drafter
 
         a = ctx.args
         if method == "pld":
             drafter = make_drafter("pld", num_tokens=a.pld_tokens)
-        elif method in ("draft", "pld+draft"):
+        elif method in DRAFT_METHODS:
             if ctx.draft is None:
                 raise HydraspecError(f"method '{method}' needs --draft-model")
             dm, dtok = ctx.draft

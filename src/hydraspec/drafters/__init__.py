@@ -7,6 +7,7 @@ from .prompt_lookup import PromptLookupDrafter
 
 METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++", "pld+draft", "pld+medusa", "pld+hydra", "pld+hydra++")
 HEAD_METHODS = ("medusa", "hydra", "hydra++")
+DRAFT_METHODS = ("draft", "pld+draft")  # the methods that need a draft model
 
 
 def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
