@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from . import kernels
+from . import graph, kernels
 
 NAME = "hydraspec_cpu"
 MAX_QUERIES = 64  # query rows per call handled here; longer calls (prefill) go to sdpa
@@ -51,6 +51,8 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else d ** -0.5
+    if graph.tracing() and _traceable(query, key, value, attention_mask):
+        return torch.ops.hydraspec.attention(query, key, value, attention_mask, scale), None
     out = _native(query, key, value, attention_mask, scale)
     if out is not None:
         return out, None
@@ -95,6 +97,19 @@ def packed_attention(module, query, key, value, attention_mask, index: torch.Ten
 
 _MASK_KIND = {torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
 _I64x3 = ctypes.c_int64 * 3  # the kernel's stride triples
+
+
+def _traceable(query, key, value, attention_mask) -> bool:
+    """Whether the compiled steps' attention operator takes these inputs (what :func:`_native` accepts, by
+    shape and dtype)."""
+    dt = query.dtype
+    if dt not in (torch.float32, torch.bfloat16) or key.dtype != dt or value.dtype != dt:
+        return False
+    if query.shape[-1] % 8 or value.shape[-1] % 8:
+        return False
+    m = attention_mask
+    return m is None or (m.dim() == 4 and m.shape[1] == 1 and m.shape[2] == query.shape[2]
+                         and m.shape[0] in (1, query.shape[0]) and m.dtype in (torch.bool, dt))
 
 
 def _native(query, key, value, attention_mask, scale: float):

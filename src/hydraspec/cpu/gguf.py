@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hydraspec.errors import HydraspecError
+from hydraspec.cpu import graph
 from hydraspec.cpu.kernels import release_free_memory
 
 __all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped"]
@@ -358,6 +359,8 @@ class GGUFLinear(nn.Module):
 
     # -- the product ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if graph.tracing() and x.dtype == torch.bfloat16:
+            return torch.ops.hydraspec.gguf_linear(x, self._call_tensor, self.out_features)
         lib = _gguf_lib()
         if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
             if not x.is_contiguous():
@@ -381,6 +384,17 @@ class GGUFLinear(nn.Module):
                                    ptr["sub_scale"], ptr["dmin"], ptr["sub_min"], None, ptr["bias32"])
             self._call_key, self._call_addr = key, ctypes.addressof(self._call)
         return self._call_addr
+
+    def call_tensor(self) -> torch.Tensor:
+        """The fields of :meth:`call_struct` as an int64 tensor, as the compiled steps' operator takes them
+        (hydraspec.cpu.graph); kept as ``_call_tensor``."""
+        addr = self.call_struct()
+        if getattr(self, "_call_tensor_addr", None) != addr or getattr(self, "_call_key_seen", None) != self._call_key:
+            raw = ctypes.string_at(addr, ctypes.sizeof(_GGUFCall))
+            object.__setattr__(self, "_call_tensor", torch.frombuffer(bytearray(raw), dtype=torch.int64).clone())
+            object.__setattr__(self, "_call_tensor_addr", addr)
+            object.__setattr__(self, "_call_key_seen", self._call_key)
+        return self._call_tensor
 
     @classmethod
     def concat(cls, parts: list["GGUFLinear"]) -> "GGUFLinear":
@@ -453,6 +467,8 @@ class GGUFEmbedding(nn.Module):
         return self.table.dequantized().to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if graph.tracing() and self.dtype == torch.bfloat16:
+            return torch.ops.hydraspec.gguf_rows(ids, self.table._call_tensor, self.embedding_dim)
         flat = ids.reshape(-1)
         lib = _gguf_lib()
         if lib is not None and self.dtype == torch.bfloat16 and flat.is_cpu:

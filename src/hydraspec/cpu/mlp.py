@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import kernels
+from . import graph, kernels
 from .stock import same_source
 
 __all__ = ["FusedGatedMLP", "fuse_mlps"]
@@ -68,6 +68,13 @@ class FusedGatedMLP(nn.Module):
         return self._joined
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if graph.tracing() and x.dtype == torch.bfloat16:
+            joined = self._joined_weight()
+            inter = self.intermediate
+            if joined is not None:
+                g = joined(x)
+                return self.down_proj(torch.ops.hydraspec.silu_mul(g[..., :inter], g[..., inter:]))
+            return self.down_proj(torch.ops.hydraspec.silu_mul(self.gate_proj(x), self.up_proj(x)))
         lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
         if lib is None or x.dtype != torch.bfloat16 or not x.is_cpu or (torch.is_grad_enabled() and x.requires_grad):
             return self._stock_forward(self, x)
