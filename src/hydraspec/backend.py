@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 __all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe",
-           "build_id", "cpu_model", "huge_pages"]
+           "build_id", "cpu_model", "huge_pages", "compile_steps"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -48,6 +48,14 @@ def huge_pages(model: nn.Module) -> int:
     from .cpu import pages
 
     return pages.to_huge_pages(model)
+
+
+def compile_steps(model: nn.Module) -> str | None:
+    """Run the model's one-token forwards as compiled steps (hydraspec.cpu.graph: torch.compile over the stock
+    classes, the same kernels and the same numbers); None when done, else why not (the model is unchanged)."""
+    from .cpu import graph
+
+    return graph.compile_steps(model)
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

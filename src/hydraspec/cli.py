@@ -10,7 +10,7 @@ import time
 from .errors import HydraspecError
 
 from .models import DEVICES, DTYPES
-from .options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, draft_k_option, \
+from .options import add_compile_arg, add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, draft_k_option, \
     leaves_option, shipped_tree_for, thread_count
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
@@ -26,6 +26,7 @@ def add_model_args(p) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
+    add_compile_arg(p)
     p.add_argument("--no-prepack", action="store_true",
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
 
@@ -170,7 +171,8 @@ def cmd_generate_batch(args) -> int:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     trees = load_batch_trees(getattr(args, "batch_trees", None))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
+                            compile=args.compile)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method in DRAFT_METHODS else None
@@ -231,7 +233,8 @@ def cmd_generate(args) -> int:
     if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(thread_count())
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
+                            compile=args.compile)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method in DRAFT_METHODS else None
@@ -481,7 +484,8 @@ def cmd_serve(args) -> int:
         raise HydraspecError(f"hydraspec serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") \
             from None
     torch.set_num_threads(args.threads or thread_count())
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
+                            compile=args.compile)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in DRAFT_METHODS else None
     drafter = build_drafter(args, tok, draft, model)

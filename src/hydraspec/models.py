@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -815,6 +816,7 @@ def load_model(
     prepack: bool | None = None,
     draft_vocab: int | None = 0,
     tokenizer=None,
+    compile: bool = False,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
 
@@ -830,7 +832,9 @@ def load_model(
     packing; at the file's precision only those
     rows of the output tensor are read. ``tokenizer``: one already loaded, returned instead of a second copy
     when this model's tokenizer files are the same bytes as the ones it came from (:func:`same_tokenizer`; for a
-    draft model, which never formats a prompt, so its own chat template does not matter).
+    draft model, which never formats a prompt, so its own chat template does not matter). ``compile``: run the
+    one-token forwards as compiled steps (:func:`hydraspec.backend.compile_steps`; a warning says why not where
+    that cannot be done).
     Problems are reported as one-line :class:`HydraspecError`.
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
@@ -920,4 +924,10 @@ def load_model(
         if prepack is not False:  # (a draft that is re-quantized next moves once that is done)
             huge_pages(model)
         release_free_memory()
+    if compile:
+        from .backend import compile_steps
+
+        why = compile_steps(model)
+        if why is not None:
+            warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=2)
     return model, tokenizer

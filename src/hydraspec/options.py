@@ -20,6 +20,13 @@ def add_quant_arg(p) -> None:
                         "names and .gguf files on the CPU")
 
 
+def add_compile_arg(p) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="run the target's one-token decoding steps under torch.compile with the native kernels inside "
+                        "the graph (--quant gguf on the CPU; same numbers, less Python per step; the first step "
+                        "compiles for about half a minute; needs a C++ compiler)")
+
+
 def add_draft_quant_arg(p) -> None:
     p.add_argument("--draft-quant", choices=["auto", "gguf", "none", "int8", "w8a8", "w4a8"], default="auto",
                    help="auto (default): w4a8 from the file's own values for a GGUF draft on the CPU (gguf without the "

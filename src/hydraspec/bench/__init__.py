@@ -12,7 +12,7 @@ from .prompts import Question, load_prompt_file, load_questions
 from .runner import run_bench
 from .stats import summarize
 from ..models import DEVICES, DTYPES
-from ..options import add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg
+from ..options import add_compile_arg, add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg
 
 DEFAULT_METHODS = "ar,pld,hf-ar,hf-pld"
 
@@ -58,6 +58,7 @@ def add_parser(subparsers):
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
+    add_compile_arg(p)
     p.add_argument("--no-prepack", action="store_true",
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
     p.add_argument("--out", required=True, metavar="DIR",

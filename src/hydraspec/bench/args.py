@@ -43,5 +43,6 @@ def default_loader(args):
     from ..models import load_model
 
     def load(name, dtype, device):
-        return load_model(name, dtype=dtype, device=device, quant=getattr(args, "quant", "none"))
+        return load_model(name, dtype=dtype, device=device, quant=getattr(args, "quant", "none"),
+                          compile=getattr(args, "compile", False))
     return load

@@ -138,10 +138,25 @@ def tracing() -> bool:
     return _loaded and torch.compiler.is_compiling()
 
 
+# the keywords of hydraspec's own model calls (hydraspec.verify); other callers (transformers' generate) run eagerly
+_STEP_KEYWORDS = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "output_hidden_states",
+                  "logits_to_keep"}
+# the hydraspec modules whose forwards the compiled steps can trace (the others call ctypes only)
+_TRACEABLE = {"GGUFLinear", "GGUFEmbedding", "FusedRMSNorm", "FusedGatedMLP", "SharedInput", "Projection"}
+
+
 def _one_token(kwargs) -> bool:
     ids = kwargs.get("input_ids")
     return (ids is not None and ids.dim() == 2 and ids.shape[1] == 1 and not kwargs.get("output_hidden_states")
-            and not kwargs.get("output_attentions") and kwargs.get("inputs_embeds") is None)
+            and kwargs.keys() <= _STEP_KEYWORDS)
+
+
+def _untraceable(model) -> str | None:
+    for m in model.modules():
+        cls = type(m)
+        if cls.__module__.startswith("hydraspec.") and cls.__name__ not in _TRACEABLE:
+            return cls.__name__
+    return None
 
 
 def compile_steps(model: torch.nn.Module) -> str | None:
@@ -157,6 +172,11 @@ def compile_steps(model: torch.nn.Module) -> str | None:
         return why
     if model.device.type != "cpu" or model.dtype != torch.bfloat16:
         return "compiled steps need a bf16 model on the CPU"
+    if not any(isinstance(m, GGUFLinear) for m in model.modules()):
+        return "compiled steps run models at a GGUF file's own precision (--quant gguf)"
+    bad = _untraceable(model)
+    if bad is not None:
+        return f"compiled steps cannot trace {bad} modules"
     for m in model.modules():
         if isinstance(m, GGUFLinear):
             m.call_tensor()

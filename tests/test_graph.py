@@ -1,0 +1,106 @@
+"""Compiled decode steps (hydraspec.cpu.graph): torch.compile over the stock classes with the native kernels as
+operators computes the same logits, bit for bit, as the eager step, so every method's answer is unchanged."""
+import os
+
+import pytest
+import torch
+
+from hydraspec import SpeculativeGenerator, make_drafter
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("HYDRASPEC_SKIP_SLOW") == "1", reason="HYDRASPEC_SKIP_SLOW=1"),
+]
+
+PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def _graph_or_skip():
+    from hydraspec.cpu import graph
+
+    why = graph.available()
+    if why is not None:
+        pytest.skip(why)
+    return graph
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """SmolLM2 at its GGUF precision twice: eager, and with compiled steps (compiled once for the module)."""
+    from hydraspec.models import load_model
+
+    _graph_or_skip()
+    torch.set_num_threads(2)
+    eager, tok = load_model("smollm2-135m-instruct", quant="gguf", device="cpu", auto_pull=True)
+    compiled, _ = load_model("smollm2-135m-instruct", quant="gguf", device="cpu", auto_pull=True, compile=True)
+    assert getattr(compiled, "hs_compiled", False) and not getattr(eager, "hs_compiled", False)
+    return eager, compiled, tok
+
+
+def test_compiled_steps_give_the_eager_logits_bit_for_bit(pair):
+    """Prefill eagerly, then 12 one-token steps (with and without a mask, as the engine and a draft model call
+    them): every step's logits equal the eager model's exactly."""
+    from hydraspec.cache import new_cache
+    from hydraspec.verify import forward_nodes, tree_mask
+
+    eager, compiled, tok = pair
+    ids = torch.tensor(tok(PROMPT).input_ids)
+    caches = [new_cache(m, 128) for m in (eager, compiled)]
+    nxt = []
+    for m, c in zip((eager, compiled), caches):
+        lg, _ = forward_nodes(m, c, ids, torch.arange(len(ids)), None, 0, last_only=True)
+        nxt.append(lg[-1].argmax())
+    assert nxt[0] == nxt[1]
+    token = nxt[0]
+    for step in range(12):
+        pos = torch.tensor([len(ids) + step])
+        out = []
+        for m, c in zip((eager, compiled), caches):
+            if step % 2:  # the engine's calls carry a mask over the cache
+                anc = torch.ones(1, 1, dtype=torch.bool)
+                lg, _ = forward_nodes(m, c, token.view(1), pos, anc, len(ids) + step)
+            else:
+                lg, _ = forward_nodes(m, c, token.view(1), pos, None, 0, last_only=True)
+            out.append(lg[-1])
+        assert torch.equal(out[0], out[1]), step
+        token = out[0].argmax()
+
+
+def test_every_method_answers_as_plain_decoding_with_compiled_steps(pair):
+    """With compiled one-token steps and eager verify forwards mixed in one answer, speculation still returns
+    plain decoding's tokens, and those are the eager model's."""
+    eager, compiled, tok = pair
+    ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=64)
+    ar = SpeculativeGenerator(compiled, tok).generate(PROMPT, max_new_tokens=64)
+    assert ar.token_ids == ref.token_ids
+    for drafter in (make_drafter("pld"), make_drafter("draft", draft_model=compiled)):
+        res = SpeculativeGenerator(compiled, tok, drafter).generate(PROMPT, max_new_tokens=64)
+        assert res.token_ids == ref.token_ids, drafter.name
+
+
+def test_compiled_steps_refuse_what_they_cannot_run_and_leave_the_model_alone():
+    """A model not at a GGUF precision is refused with a reason and keeps its forward."""
+    import tiny
+    from hydraspec.backend import compile_steps
+
+    _graph_or_skip()
+    model = tiny.make_model("llama").to(torch.bfloat16)
+    forward = model.forward
+    why = compile_steps(model)
+    assert why and "GGUF" in why
+    assert model.forward == forward and not getattr(model, "hs_compiled", False)
+
+
+def test_no_cxx_compiler_means_a_reason_not_an_error(tmp_path, monkeypatch):
+    """Without a C++ compiler the operators are not built: a reason comes back (the steps then run eagerly)."""
+    graph = _graph_or_skip()
+    monkeypatch.setenv("HYDRASPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    graph.available.cache_clear()
+    try:
+        why = graph.available()
+        assert why is not None and "could not be built" in why
+    finally:
+        monkeypatch.undo()
+        graph.available.cache_clear()
+        assert graph.available() is None
