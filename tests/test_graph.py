@@ -104,3 +104,33 @@ def test_no_cxx_compiler_means_a_reason_not_an_error(tmp_path, monkeypatch):
         monkeypatch.undo()
         graph.available.cache_clear()
         assert graph.available() is None
+
+
+def test_a_compiled_w4a8_draft_drafts_what_the_eager_one_drafts():
+    """A w4a8 draft with a cut vocabulary (the CPU default for a GGUF draft) compiled: its one-token steps give
+    the eager draft's logits bit for bit, and the draft method still answers as plain decoding."""
+    from hydraspec.cache import new_cache
+    from hydraspec.models import load_draft_model, load_model
+    from hydraspec.verify import forward_nodes
+
+    _graph_or_skip()
+    torch.set_num_threads(2)
+    kw = dict(vocab=8000)
+    eager, tok = load_draft_model("smollm2-135m-instruct", "bfloat16", "cpu", "w4a8", **kw)
+    compiled, _ = load_draft_model("smollm2-135m-instruct", "bfloat16", "cpu", "w4a8", compile=True, **kw)
+    assert getattr(compiled, "hs_compiled", False)
+    ids = torch.tensor(tok(PROMPT).input_ids)
+    caches = [new_cache(m, 96) for m in (eager, compiled)]
+    tokens = []
+    for m, c in zip((eager, compiled), caches):
+        lg, _ = forward_nodes(m, c, ids, torch.arange(len(ids)), None, 0, last_only=True)
+        tokens.append(lg[-1].argmax())
+    for step in range(8):
+        out = [forward_nodes(m, c, tokens[0].view(1), torch.tensor([len(ids) + step]), None, 0, last_only=True)[0][-1]
+               for m, c in zip((eager, compiled), caches)]
+        assert torch.equal(out[0], out[1]), step
+        tokens = [out[0].argmax()]
+    target, _ = load_model("smollm2-135m-instruct", quant="gguf", device="cpu")
+    ref = SpeculativeGenerator(target, tok).generate(PROMPT, max_new_tokens=48)
+    res = SpeculativeGenerator(target, tok, make_drafter("draft", draft_model=compiled)).generate(PROMPT, max_new_tokens=48)
+    assert res.token_ids == ref.token_ids

@@ -174,7 +174,7 @@ def cmd_generate_batch(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
                             compile=args.compile)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok, compile=args.compile) \
         if args.method in DRAFT_METHODS else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
@@ -236,7 +236,7 @@ def cmd_generate(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
                             compile=args.compile)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok, compile=args.compile) \
         if args.method in DRAFT_METHODS else None
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
@@ -487,7 +487,8 @@ def cmd_serve(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
                             compile=args.compile)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in DRAFT_METHODS else None
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok,
+                             compile=args.compile) if args.method in DRAFT_METHODS else None
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,

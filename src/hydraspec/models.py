@@ -747,14 +747,15 @@ def _special_ids(tokenizer, eos) -> list[int]:
 
 
 def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None,
-                     vocab: int | None = None, tokenizer=None):
+                     vocab: int | None = None, tokenizer=None, compile: bool = False):
     """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
     and quantise it as asked: ``gguf`` (or ``auto`` for a GGUF model on the CPU) keeps the file's precision,
     the others re-quantise (:mod:`hydraspec.quantize`; a GGUF model is re-quantised from the file's own
     values, never from a bf16 copy); ``auto`` is ``w4a8`` for a GGUF draft on the CPU with the native kernel.
     ``vocab``: draft over the first ``vocab`` token ids and the special ones only (:mod:`hydraspec.draft_vocab`);
     None: the auto cut of large vocabularies; 0: the whole vocabulary. ``tokenizer``: the target's, shared when
-    the draft's tokenizer files are the same (:func:`same_tokenizer`). Returns ``(model, tokenizer)``."""
+    the draft's tokenizer files are the same (:func:`same_tokenizer`). ``compile``: its one-token steps compiled,
+    as :func:`load_model`'s. Returns ``(model, tokenizer)``."""
     if quant in (None, "auto"):
         quant = auto_draft_quant(resolve_quant("auto", name, device)) if loader is None else "none"
     requant = quant not in ("gguf", "none")
@@ -774,6 +775,8 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
         from .backend import huge_pages
 
         huge_pages(model)
+    if compile:
+        _compile(model)
     return model, tok
 
 
@@ -925,9 +928,13 @@ def load_model(
             huge_pages(model)
         release_free_memory()
     if compile:
-        from .backend import compile_steps
-
-        why = compile_steps(model)
-        if why is not None:
-            warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=2)
+        _compile(model)
     return model, tokenizer
+
+
+def _compile(model) -> None:
+    from .backend import compile_steps
+
+    why = compile_steps(model)
+    if why is not None:
+        warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=3)

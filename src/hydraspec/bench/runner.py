@@ -72,7 +72,8 @@ def run_bench(args, loader=None) -> int:
             from ..models import load_draft_model
 
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                                     loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
+                                     loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok,
+                                     compile=getattr(args, "compile", False))
         from ..generator import SpeculativeGenerator
         from ..inputs import eos_ids
 

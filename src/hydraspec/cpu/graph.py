@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from ..home import hydraspec_home
-from . import kernels
 
 __all__ = ["available", "tracing", "compile_steps", "rotary"]
 
@@ -79,6 +78,10 @@ def _register_fakes() -> None:
     def _(ids, call, dim):
         return torch.empty(*ids.shape, dim, dtype=torch.bfloat16, device=ids.device)
 
+    @reg("hydraspec::w4a8_linear")
+    def _(x, qweight, scale, bias, group, out):
+        return x.new_empty(*x.shape[:-1], out)
+
     @reg("hydraspec::attention")
     def _(q, k, v, mask, scale):
         return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])
@@ -117,6 +120,8 @@ def available() -> str | None:
     """Load the operator library (building it on first use) and hand it the kernels; None when ready, else
     why not."""
     global _loaded
+    from . import kernels  # (kernels imports this module)
+
     gguf_lib, fused = kernels.int8_dot_lib(), kernels.fused_lib()
     if gguf_lib is None or fused is None or not hasattr(gguf_lib, "hs_gguf_apply"):
         return "the native CPU kernels are not available here"
@@ -126,7 +131,8 @@ def available() -> str | None:
     torch.ops.load_library(str(so))
     addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
     torch.ops.hydraspec.bind([addr(gguf_lib.hs_gguf_apply), addr(gguf_lib.hs_gguf_rows), addr(fused.hs_attention),
-                              addr(fused.hs_rmsnorm), addr(fused.hs_rope_bf16), addr(fused.hs_silu_mul_bf16)])
+                              addr(fused.hs_rmsnorm), addr(fused.hs_rope_bf16), addr(fused.hs_silu_mul_bf16),
+                              addr(gguf_lib.hs_linear_w4a8)])
     _register_fakes()
     _loaded = True
     return None
@@ -142,7 +148,8 @@ def tracing() -> bool:
 _STEP_KEYWORDS = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "output_hidden_states",
                   "logits_to_keep"}
 # the hydraspec modules whose forwards the compiled steps can trace (the others call ctypes only)
-_TRACEABLE = {"GGUFLinear", "GGUFEmbedding", "FusedRMSNorm", "FusedGatedMLP", "SharedInput", "Projection"}
+_TRACEABLE = {"GGUFLinear", "GGUFEmbedding", "W4A8Linear", "DraftVocabHead", "FusedRMSNorm", "FusedGatedMLP",
+              "SharedInput", "Projection"}
 
 
 def _one_token(kwargs) -> bool:
@@ -164,6 +171,7 @@ def compile_steps(model: torch.nn.Module) -> str | None:
     else why not (the model is then left as it was). The first such step compiles (about a minute for a
     1.5B model on two cores)."""
     from .gguf import GGUFLinear
+    from .kernels import W4A8Linear
 
     if getattr(model, "hs_compiled", False):
         return None
@@ -172,8 +180,8 @@ def compile_steps(model: torch.nn.Module) -> str | None:
         return why
     if model.device.type != "cpu" or model.dtype != torch.bfloat16:
         return "compiled steps need a bf16 model on the CPU"
-    if not any(isinstance(m, GGUFLinear) for m in model.modules()):
-        return "compiled steps run models at a GGUF file's own precision (--quant gguf)"
+    if not any(isinstance(m, (GGUFLinear, W4A8Linear)) for m in model.modules()):
+        return "compiled steps run models at a GGUF file's own precision (--quant gguf) or w4a8 drafts"
     bad = _untraceable(model)
     if bad is not None:
         return f"compiled steps cannot trace {bad} modules"

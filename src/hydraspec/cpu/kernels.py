@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..home import hydraspec_home
+from . import graph
 from .build import compile_library, library_name, prebuilt_dir
 
 
@@ -479,6 +480,9 @@ class W4A8Linear(nn.Module):
         return self.int_weight().float() * self.group_scales().repeat_interleave(self.group, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if graph.tracing() and x.dtype == torch.bfloat16:
+            b = self._buffers
+            return torch.ops.hydraspec.w4a8_linear(x, b["qweight"], b["scale"], b["bias32"], self.group, self.out_features)
         lib = int8_dot_lib()
         if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
             b = self._buffers

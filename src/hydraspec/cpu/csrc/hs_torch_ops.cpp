@@ -20,6 +20,8 @@ typedef int (*attention_fn)(const void*, const int64_t*, const void*, const int6
 typedef int (*rmsnorm_fn)(const void*, const void*, int64_t, int64_t, float, int, void*, int);
 typedef int (*rope_fn)(const void*, void*, const void*, void*, const void*, const void*, const int64_t*);
 typedef int (*silu_mul_fn)(const void*, int64_t, const void*, int64_t, int64_t, int64_t, void*, int);
+typedef int (*w4a8_fn)(const void*, int64_t, int64_t, const void*, const float*, int64_t, int64_t, void*, const float*,
+                       int);
 
 gguf_apply_fn g_gguf_apply = nullptr;
 gguf_rows_fn g_gguf_rows = nullptr;
@@ -27,6 +29,7 @@ attention_fn g_attention = nullptr;
 rmsnorm_fn g_rmsnorm = nullptr;
 rope_fn g_rope = nullptr;
 silu_mul_fn g_silu_mul = nullptr;
+w4a8_fn g_w4a8 = nullptr;
 
 template <typename F>
 F need(F f, const char* name) {
@@ -41,13 +44,14 @@ void check(int err, const char* name) {
 int threads() { return at::get_num_threads(); }
 
 void bind(at::IntArrayRef fns) {
-    if (fns.size() != 6) throw std::runtime_error("hydraspec bind: six kernel addresses expected");
+    if (fns.size() != 7) throw std::runtime_error("hydraspec bind: seven kernel addresses expected");
     g_gguf_apply = reinterpret_cast<gguf_apply_fn>(fns[0]);
     g_gguf_rows = reinterpret_cast<gguf_rows_fn>(fns[1]);
     g_attention = reinterpret_cast<attention_fn>(fns[2]);
     g_rmsnorm = reinterpret_cast<rmsnorm_fn>(fns[3]);
     g_rope = reinterpret_cast<rope_fn>(fns[4]);
     g_silu_mul = reinterpret_cast<silu_mul_fn>(fns[5]);
+    g_w4a8 = reinterpret_cast<w4a8_fn>(fns[6]);
 }
 
 // x [..., in] bf16 times a GGUF weight whose gguf_call fields (hs_gguf.h) are the int64 tensor `call`
@@ -60,6 +64,23 @@ at::Tensor gguf_linear(const at::Tensor& x_, const at::Tensor& call, int64_t out
     const int64_t rows = in ? x.numel() / in : 0;
     check(need(g_gguf_apply, "gguf_linear")(x.data_ptr(), rows, call.data_ptr(), y.data_ptr(), threads()),
           "gguf_linear");
+    return y;
+}
+
+// x [..., in] bf16 times a w4a8 draft weight (hydraspec/cpu/kernels.py's W4A8Linear: packed 4-bit codes,
+// one fp32 scale per row and group of `group` inputs, fp32 bias or none)
+at::Tensor w4a8_linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, int64_t group, int64_t out) {
+    at::Tensor x = x_.contiguous();
+    auto sizes = x.sizes().vec();
+    const int64_t in = sizes.back();
+    sizes.back() = out;
+    at::Tensor y = at::empty(sizes, x.options());
+    const int64_t rows = in ? x.numel() / in : 0;
+    const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    check(need(g_w4a8, "w4a8_linear")(x.data_ptr(), rows, in, qweight.data_ptr(), scale.data_ptr<float>(), group, out,
+                                      y.data_ptr(), b, threads()),
+          "w4a8_linear");
     return y;
 }
 
@@ -157,6 +178,7 @@ TORCH_LIBRARY_FRAGMENT(hydraspec, m) {
     m.def("bind(int[] fns) -> ()");
     m.def("gguf_linear(Tensor x, Tensor call, int out) -> Tensor");
     m.def("gguf_rows(Tensor ids, Tensor call, int dim) -> Tensor");
+    m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int group, int out) -> Tensor");
     m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
     m.def("rmsnorm(Tensor x, Tensor w, float eps) -> Tensor");
     m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
@@ -170,6 +192,7 @@ TORCH_LIBRARY_IMPL(hydraspec, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(hydraspec, CPU, m) {
     m.impl("gguf_linear", gguf_linear);
     m.impl("gguf_rows", gguf_rows);
+    m.impl("w4a8_linear", w4a8_linear);
     m.impl("attention", attention);
     m.impl("rmsnorm", rmsnorm);
     m.impl("rope", rope);
