@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from . import graph, kernels
+from . import kernels, ops
 
 NAME = "hydraspec_cpu"
 MAX_QUERIES = 64  # query rows per call handled here; longer calls (prefill) go to sdpa
@@ -51,7 +51,7 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else d ** -0.5
-    if graph.tracing() and _traceable(query, key, value, attention_mask):
+    if ops.tracing() and _traceable(query, key, value, attention_mask):
         return torch.ops.hydraspec.attention(query, key, value, attention_mask, scale), None
     out = _native(query, key, value, attention_mask, scale)
     if out is not None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hydraspec.errors import HydraspecError
-from hydraspec.cpu import graph
+from hydraspec.cpu import ops
 from hydraspec.cpu.kernels import release_free_memory
 
 __all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped"]
@@ -359,7 +359,7 @@ class GGUFLinear(nn.Module):
 
     # -- the product ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if graph.tracing() and x.dtype == torch.bfloat16:
+        if ops.tracing() and x.dtype == torch.bfloat16:
             return torch.ops.hydraspec.gguf_linear(x, self._call_tensor, self.out_features)
         lib = _gguf_lib()
         if lib is not None and x.dtype == torch.bfloat16 and x.is_cpu:
@@ -467,7 +467,7 @@ class GGUFEmbedding(nn.Module):
         return self.table.dequantized().to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if graph.tracing() and self.dtype == torch.bfloat16:
+        if ops.tracing() and self.dtype == torch.bfloat16:
             return torch.ops.hydraspec.gguf_rows(ids, self.table._call_tensor, self.embedding_dim)
         flat = ids.reshape(-1)
         lib = _gguf_lib()

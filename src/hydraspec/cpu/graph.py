@@ -19,129 +19,28 @@ and every step runs eagerly as before.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
-import threading
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from ..home import hydraspec_home
+from . import ops
 
-__all__ = ["available", "tracing", "compile_steps", "rotary"]
-
-_SOURCE = Path(__file__).with_name("csrc") / "hs_torch_ops.cpp"
-_loaded = False
-_rotaries: list = []  # the rotary modules behind hydraspec::rotary, by index
-_lock = threading.Lock()
-
-
-def _library_path() -> tuple[Path, list[str]]:
-    from torch.utils import cpp_extension
-
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
-    flags += [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu", "-ltorch"]
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    return hydraspec_home() / "kernels" / f"hs_torch_ops-{key}.so", flags
-
-
-def _build() -> tuple[Path | None, str]:
-    so, flags = _library_path()
-    if so.exists():
-        return so, ""
-    cxx = os.environ.get("CXX", "c++")
-    try:
-        so.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-            tmp_so = Path(tmp) / so.name
-            res = subprocess.run([cxx, str(_SOURCE), *flags, "-o", str(tmp_so)], capture_output=True, text=True)
-            if res.returncode:
-                return None, res.stderr.strip()[-300:]
-            os.replace(tmp_so, so)
-            return so, ""
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, str(exc)
-
-
-def _register_fakes() -> None:
-    reg = torch.library.register_fake
-
-    @reg("hydraspec::gguf_linear")
-    def _(x, call, out):
-        return x.new_empty(*x.shape[:-1], out)
-
-    @reg("hydraspec::gguf_rows")
-    def _(ids, call, dim):
-        return torch.empty(*ids.shape, dim, dtype=torch.bfloat16, device=ids.device)
-
-    @reg("hydraspec::w4a8_linear")
-    def _(x, qweight, scale, bias, group, out):
-        return x.new_empty(*x.shape[:-1], out)
-
-    @reg("hydraspec::attention")
-    def _(q, k, v, mask, scale):
-        return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])
-
-    @reg("hydraspec::rmsnorm")
-    def _(x, w, eps):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    @reg("hydraspec::rope")
-    def _(q, k, cos, sin):
-        return torch.empty_like(q), torch.empty_like(k)
-
-    @reg("hydraspec::silu_mul")
-    def _(g, u):
-        return g.new_empty(g.shape)
-
-
-@torch.library.custom_op("hydraspec::rotary", mutates_args=())
-def rotary(x: torch.Tensor, position_ids: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos/sin of rotary module ``index`` (registered by :func:`compile_steps`), computed eagerly by its
-    own stock forward."""
-    cos, sin = _rotaries[index].hs_eager_forward(x, position_ids)
-    return cos.clone(), sin.clone()
-
-
-@rotary.register_fake
-def _(x, position_ids, index):
-    mod = _rotaries[index]
-    dim = mod.inv_freq.shape[-1] * 2
-    shape = (position_ids.shape[0], position_ids.shape[1], dim)
-    return x.new_empty(shape), x.new_empty(shape)
+__all__ = ["available", "compile_steps"]
 
 
 @lru_cache(maxsize=1)
 def available() -> str | None:
     """Load the operator library (building it on first use) and hand it the kernels; None when ready, else
     why not."""
-    global _loaded
-    from . import kernels  # (kernels imports this module)
+    from . import kernels
 
     gguf_lib, fused = kernels.int8_dot_lib(), kernels.fused_lib()
     if gguf_lib is None or fused is None or not hasattr(gguf_lib, "hs_gguf_apply"):
         return "the native CPU kernels are not available here"
-    so, err = _build()
-    if so is None:
-        return f"the compiled-step operators could not be built ({err or 'no C++ compiler'})"
-    torch.ops.load_library(str(so))
     addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
-    torch.ops.hydraspec.bind([addr(gguf_lib.hs_gguf_apply), addr(gguf_lib.hs_gguf_rows), addr(fused.hs_attention),
-                              addr(fused.hs_rmsnorm), addr(fused.hs_rope_bf16), addr(fused.hs_silu_mul_bf16),
-                              addr(gguf_lib.hs_linear_w4a8)])
-    _register_fakes()
-    _loaded = True
-    return None
-
-
-def tracing() -> bool:
-    """Whether the code running now is being traced for a compiled step (the modules then call the
-    ``hydraspec`` operators instead of their ctypes calls)."""
-    return _loaded and torch.compiler.is_compiling()
+    return ops.load([addr(gguf_lib.hs_gguf_apply), addr(gguf_lib.hs_gguf_rows), addr(fused.hs_attention),
+                     addr(fused.hs_rmsnorm), addr(fused.hs_rope_bf16), addr(fused.hs_silu_mul_bf16),
+                     addr(gguf_lib.hs_linear_w4a8)])
 
 
 # the keywords of hydraspec's own model calls (hydraspec.verify); other callers (transformers' generate) run eagerly
@@ -189,14 +88,12 @@ def compile_steps(model: torch.nn.Module) -> str | None:
         if isinstance(m, GGUFLinear):
             m.call_tensor()
         if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq") and not hasattr(m, "hs_eager_forward"):
-            with _lock:
-                _rotaries.append(m)
-                index = len(_rotaries) - 1
+            index = ops.register_rotary(m)
             eager = m.forward
             m.hs_eager_forward = eager
 
             def forward(x, position_ids, *rest, _index=index, _eager=eager):
-                if tracing() and not rest:
+                if ops.tracing() and not rest:
                     return torch.ops.hydraspec.rotary(x, position_ids, _index)
                 return _eager(x, position_ids, *rest)
             m.forward = forward

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..home import hydraspec_home
-from . import graph
+from . import ops
 from .build import compile_library, library_name, prebuilt_dir
 
 
@@ -480,7 +480,7 @@ class W4A8Linear(nn.Module):
         return self.int_weight().float() * self.group_scales().repeat_interleave(self.group, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if graph.tracing() and x.dtype == torch.bfloat16:
+        if ops.tracing() and x.dtype == torch.bfloat16:
             b = self._buffers
             return torch.ops.hydraspec.w4a8_linear(x, b["qweight"], b["scale"], b["bias32"], self.group, self.out_features)
         lib = int8_dot_lib()

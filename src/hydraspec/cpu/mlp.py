@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import graph, kernels
+from . import kernels, ops
 from .stock import same_source
 
 __all__ = ["FusedGatedMLP", "fuse_mlps"]
@@ -68,7 +68,7 @@ class FusedGatedMLP(nn.Module):
         return self._joined
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if graph.tracing() and x.dtype == torch.bfloat16:
+        if ops.tracing() and x.dtype == torch.bfloat16:
             joined = self._joined_weight()
             inter = self.intermediate
             if joined is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import graph, kernels
+from . import kernels, ops
 from .stock import same_source
 
 __all__ = ["FusedRMSNorm", "fuse_norms"]
@@ -27,7 +27,7 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if graph.tracing() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        if ops.tracing() and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.hydraspec.rmsnorm(x, w, self.variance_epsilon)
         lib = kernels.fused_lib()
         if (lib is not None and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16)

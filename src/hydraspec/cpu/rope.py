@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from . import graph, kernels
+from . import kernels, ops
 from .stock import same_source
 
 __all__ = ["fuse_rope", "rope_is_native"]
@@ -55,7 +55,7 @@ def _native_dims(q, k, cos, sin, unsqueeze_dim, qo, ko):
 
 def _dispatcher(stock):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (graph.tracing() and unsqueeze_dim == 1 and q.dtype == k.dtype == cos.dtype == sin.dtype == _BF16
+        if (ops.tracing() and unsqueeze_dim == 1 and q.dtype == k.dtype == cos.dtype == sin.dtype == _BF16
                 and q.dim() == k.dim() == 4 and cos.dim() == 3 and q.shape[-1] % 2 == 0):
             return torch.ops.hydraspec.rope(q, k, cos, sin)
         lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
