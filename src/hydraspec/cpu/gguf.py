@@ -389,11 +389,10 @@ class GGUFLinear(nn.Module):
         """The fields of :meth:`call_struct` as an int64 tensor, as the compiled steps' operator takes them
         (hydraspec.cpu.graph); kept as ``_call_tensor``."""
         addr = self.call_struct()
-        if getattr(self, "_call_tensor_addr", None) != addr or getattr(self, "_call_key_seen", None) != self._call_key:
+        if getattr(self, "_call_tensor_key", None) != self._call_key:  # built with the struct's current buffers
             raw = ctypes.string_at(addr, ctypes.sizeof(_GGUFCall))
             object.__setattr__(self, "_call_tensor", torch.frombuffer(bytearray(raw), dtype=torch.int64).clone())
-            object.__setattr__(self, "_call_tensor_addr", addr)
-            object.__setattr__(self, "_call_key_seen", self._call_key)
+            object.__setattr__(self, "_call_tensor_key", self._call_key)
         return self._call_tensor
 
     @classmethod

@@ -11,7 +11,7 @@ behind an opaque operator. Every number is therefore computed by the same code a
 a compiled step returns the same logits bit for bit (tested); only the Python between the kernels goes.
 
 Only one-token steps (plain decoding, a draft model's chain steps) are compiled; prefill and verify
-forwards stay eager, so one graph per model is compiled (about a minute on two cores, once per process).
+forwards stay eager, so one graph per model is compiled (30-40 s on two cores, once per process).
 The operator library is compiled with the system C++ compiler against the installed torch on first use
 (into the hydraspec home); without a compiler, torch's headers or the native kernels, nothing is compiled
 and every step runs eagerly as before.
@@ -67,8 +67,8 @@ def _untraceable(model) -> str | None:
 
 def compile_steps(model: torch.nn.Module) -> str | None:
     """Make ``model``'s one-token forwards compiled steps (see the module docstring); returns None when done,
-    else why not (the model is then left as it was). The first such step compiles (about a minute for a
-    1.5B model on two cores)."""
+    else why not (the model is then left as it was). The first such step compiles (30-40 s for the 0.5B
+    and 1.5B models on two cores)."""
     from .gguf import GGUFLinear
     from .kernels import W4A8Linear
 

@@ -43,6 +43,8 @@ void check(int err, const char* name) {
 
 int threads() { return at::get_num_threads(); }
 
+at::Tensor last_unit(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
 void bind(at::IntArrayRef fns) {
     if (fns.size() != 7) throw std::runtime_error("hydraspec bind: seven kernel addresses expected");
     g_gguf_apply = reinterpret_cast<gguf_apply_fn>(fns[0]);
@@ -98,7 +100,6 @@ at::Tensor gguf_rows(const at::Tensor& ids_, const at::Tensor& call, int64_t dim
 // dtype -> [B, n, H, dv] (hydraspec/cpu/attention.py's _native, whose checks the caller has made)
 at::Tensor attention(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                      const std::optional<at::Tensor>& mask_, double scale) {
-    auto last_unit = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
     at::Tensor q = last_unit(q_), k = last_unit(k_), v = last_unit(v_);
     const int64_t b = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3);
     const int64_t hkv = k.size(1), L = k.size(2), dv = v.size(3);
@@ -135,7 +136,6 @@ at::Tensor rmsnorm(const at::Tensor& x_, const at::Tensor& w, double eps) {
 // the rotate-half rotary embedding of bf16 q [B, Hq, N, D] and k [B, Hk, N, D] with cos / sin [B|1, N, D]
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& cos_,
                                         const at::Tensor& sin_) {
-    auto last_unit = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
     at::Tensor q = last_unit(q_), k = last_unit(k_), cos = last_unit(cos_);
     at::Tensor sin = sin_;
     if (sin.strides() != cos.strides()) {
