@@ -57,13 +57,23 @@ void bind(at::IntArrayRef fns) {
 }
 
 // x [..., in] bf16 times a GGUF weight whose gguf_call fields (hs_gguf.h) are the int64 tensor `call`
+// the rows of x [..., in] made contiguous, and an output [..., out] for them
+struct Rows {
+    at::Tensor x, y;
+    int64_t n, in;
+    Rows(const at::Tensor& x_, int64_t out) : x(x_.contiguous()) {
+        auto sizes = x.sizes().vec();
+        in = sizes.back();
+        sizes.back() = out;
+        y = at::empty(sizes, x.options());
+        n = in ? x.numel() / in : 0;
+    }
+};
+
 at::Tensor gguf_linear(const at::Tensor& x_, const at::Tensor& call, int64_t out) {
-    at::Tensor x = x_.contiguous();
-    auto sizes = x.sizes().vec();
-    const int64_t in = sizes.back();
-    sizes.back() = out;
-    at::Tensor y = at::empty(sizes, x.options());
-    const int64_t rows = in ? x.numel() / in : 0;
+    Rows r(x_, out);
+    const at::Tensor &x = r.x, &y = r.y;
+    const int64_t rows = r.n;
     check(need(g_gguf_apply, "gguf_linear")(x.data_ptr(), rows, call.data_ptr(), y.data_ptr(), threads()),
           "gguf_linear");
     return y;
@@ -73,12 +83,9 @@ at::Tensor gguf_linear(const at::Tensor& x_, const at::Tensor& call, int64_t out
 // one fp32 scale per row and group of `group` inputs, fp32 bias or none)
 at::Tensor w4a8_linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, int64_t group, int64_t out) {
-    at::Tensor x = x_.contiguous();
-    auto sizes = x.sizes().vec();
-    const int64_t in = sizes.back();
-    sizes.back() = out;
-    at::Tensor y = at::empty(sizes, x.options());
-    const int64_t rows = in ? x.numel() / in : 0;
+    Rows r(x_, out);
+    const at::Tensor &x = r.x, &y = r.y;
+    const int64_t rows = r.n, in = r.in;
     const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     check(need(g_w4a8, "w4a8_linear")(x.data_ptr(), rows, in, qweight.data_ptr(), scale.data_ptr<float>(), group, out,
                                       y.data_ptr(), b, threads()),
