@@ -51,7 +51,7 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else d ** -0.5
-    if ops.tracing() and _traceable(query, key, value, attention_mask):
+    if ops.tracing() and _kernel_takes(query, key, value, attention_mask):
         return torch.ops.hydraspec.attention(query, key, value, attention_mask, scale), None
     out = _native(query, key, value, attention_mask, scale)
     if out is not None:
@@ -99,9 +99,9 @@ _MASK_KIND = {torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
 _I64x3 = ctypes.c_int64 * 3  # the kernel's stride triples
 
 
-def _traceable(query, key, value, attention_mask) -> bool:
-    """Whether the compiled steps' attention operator takes these inputs (what :func:`_native` accepts, by
-    shape and dtype)."""
+def _kernel_takes(query, key, value, attention_mask) -> bool:
+    """Whether the native kernel takes these inputs by shape and dtype (float32 / bf16, head sizes a multiple
+    of 8, a mask [B|1, 1, n, >= L] bool or of the queries' dtype); strides are the caller's to fix."""
     dt = query.dtype
     if dt not in (torch.float32, torch.bfloat16) or key.dtype != dt or value.dtype != dt:
         return False
@@ -109,27 +109,23 @@ def _traceable(query, key, value, attention_mask) -> bool:
         return False
     m = attention_mask
     return m is None or (m.dim() == 4 and m.shape[1] == 1 and m.shape[2] == query.shape[2]
-                         and m.shape[0] in (1, query.shape[0]) and m.dtype in (torch.bool, dt))
+                         and m.shape[0] in (1, query.shape[0]) and m.shape[-1] >= key.shape[2]
+                         and m.dtype in (torch.bool, dt))
 
 
 def _native(query, key, value, attention_mask, scale: float):
     """The same attention as one call of the native kernel (``hs_attention``, csrc/hs_ops.h), or None where
     it does not apply (no kernel, other dtypes, a per-head mask, strided last dimensions)."""
     lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
+    if (lib is None or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1
+            or not _kernel_takes(query, key, value, attention_mask)):
+        return None  # also per-head masks, additive masks of another dtype: the torch path
     dt = query.dtype
-    if (lib is None or dt not in (torch.float32, torch.bfloat16) or key.dtype != dt or value.dtype != dt
-            or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1):
-        return None
     b, h, n, d = query.shape
     hkv, kv_len, dv = key.shape[1], key.shape[2], value.shape[-1]
-    if d % 8 or dv % 8:
-        return None
     mkind, mptr, ms = 0, None, (0, 0)
     if attention_mask is not None:
         m = attention_mask
-        if (m.dim() != 4 or m.shape[0] not in (1, b) or m.shape[1] != 1 or m.shape[2] != n
-                or m.shape[-1] < kv_len or m.dtype not in (torch.bool, dt)):
-            return None  # per-head masks, additive masks of another dtype: the torch path
         if m.stride(-1) != 1:
             m = m.contiguous()
         mkind, mptr = _MASK_KIND[m.dtype], m.data_ptr()
