@@ -22,8 +22,8 @@ def add_quant_arg(p) -> None:
 
 def add_compile_arg(p) -> None:
     p.add_argument("--compile", action="store_true",
-                   help="run the target's one-token decoding steps under torch.compile with the native kernels inside "
-                        "the graph (--quant gguf on the CPU; same numbers, less Python per step; the first step "
+                   help="run the target's and the draft model's one-token decoding steps under torch.compile with the "
+                        "native kernels inside the graph (--quant gguf on the CPU; same numbers, less Python per step; the first step "
                         "compiles for about half a minute; needs a C++ compiler)")
 
 
