@@ -66,9 +66,46 @@ def test_compiled_steps_give_the_eager_logits_bit_for_bit(pair):
         token = out[0].argmax()
 
 
+def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair):
+    """Forwards of several new tokens (a chain without a mask, a tree under its mask, 2 to MAX_ROWS rows) run
+    compiled and give the eager model's logits exactly; a longer forward runs eagerly."""
+    from torch._dynamo.utils import counters
+
+    from hydraspec.cache import new_cache, set_length
+    from hydraspec.cpu.graph import MAX_ROWS
+    from hydraspec.verify import forward_nodes
+
+    eager, compiled, tok = pair
+    prompt = torch.tensor(tok(PROMPT * 2).input_ids)
+    assert len(prompt) > MAX_ROWS  # so the prefill runs eagerly
+    caches = [new_cache(m, 256) for m in (eager, compiled)]
+    for m, c in zip((eager, compiled), caches):
+        forward_nodes(m, c, prompt, torch.arange(len(prompt)), None, 0, last_only=True)
+    L = len(prompt)
+    gen = torch.Generator().manual_seed(0)
+    frames = counters["stats"]["calls_captured"]
+    for n in (2, 5, 3, MAX_ROWS, 7):
+        ids = torch.randint(0, 1000, (n,), generator=gen)
+        if n % 2:  # a tree: node i hangs under node (i - 1) // 2
+            parent = [-1] + [(i - 1) // 2 for i in range(1, n)]
+            anc = torch.eye(n, dtype=torch.bool)
+            depth = torch.zeros(n, dtype=torch.long)
+            for i in range(1, n):
+                anc[i] |= anc[parent[i]]
+                depth[i] = depth[parent[i]] + 1
+        else:  # a chain, under the model's own causal mask
+            anc, depth = None, torch.arange(n)
+        out = []
+        for m, c in zip((eager, compiled), caches):
+            set_length(c, L)
+            out.append(forward_nodes(m, c, ids, L + depth, anc, L)[0])
+        assert torch.equal(out[0], out[1]), n
+    assert counters["stats"]["calls_captured"] > frames  # the verify forwards did run compiled
+
+
 def test_every_method_answers_as_plain_decoding_with_compiled_steps(pair):
-    """With compiled one-token steps and eager verify forwards mixed in one answer, speculation still returns
-    plain decoding's tokens, and those are the eager model's."""
+    """With compiled steps and verify forwards and eager prefills mixed in one answer, speculation still
+    returns plain decoding's tokens, and those are the eager model's."""
     eager, compiled, tok = pair
     ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=64)
     ar = SpeculativeGenerator(compiled, tok).generate(PROMPT, max_new_tokens=64)

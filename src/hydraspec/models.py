@@ -938,3 +938,24 @@ def _compile(model) -> None:
     why = compile_steps(model)
     if why is not None:
         warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=3)
+        return
+    _compile_now(model)
+
+
+def _compile_now(model) -> None:
+    """Compile the model's two step graphs (one new token, several) now, on a scratch cache, so that the first
+    answer does not pay for them."""
+    import torch
+
+    from .cache import new_cache
+    from .verify import forward_nodes
+
+    print("hydraspec: compiling the decoding steps (once per process; about 30 s per graph on two cores)",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    cache = new_cache(model, 16)
+    with torch.inference_mode():  # the engine's inputs are inference tensors, and the graphs are specific to that
+        for start, stop in ((0, 5), (5, 6), (6, 8)):  # a prefill (eager), one token, two tokens
+            ids = torch.arange(start, stop, device=model.device)
+            forward_nodes(model, cache, ids, ids.clone(), None, 0)
+    print(f"hydraspec: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

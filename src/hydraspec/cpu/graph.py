@@ -10,8 +10,11 @@ functions with the same arguments, and the rotary embedding's cos/sin are comput
 behind an opaque operator. Every number is therefore computed by the same code as in an eager step:
 a compiled step returns the same logits bit for bit (tested); only the Python between the kernels goes.
 
-Only one-token steps (plain decoding, a draft model's chain steps) are compiled; prefill and verify
-forwards stay eager, so one graph per model is compiled (30-40 s on two cores, once per process).
+Forwards of at most :data:`MAX_ROWS` new tokens are compiled: one-token steps (plain decoding, a draft
+model's chain) and verify forwards (a chain or tree of drafts, a draft model catching up on accepted
+tokens). Longer forwards and any forward from an empty cache (prefill) stay eager. A call without a mask gets the causal one it implies, so two
+graphs per model are compiled, one for a single row and one for several (20-40 s each on two cores, once
+per process).
 The operator library is compiled with the system C++ compiler against the installed torch on first use
 (into the hydraspec home); without a compiler, torch's headers or the native kernels, nothing is compiled
 and every step runs eagerly as before.
@@ -22,6 +25,7 @@ import ctypes
 from functools import lru_cache
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from . import ops
 
@@ -51,10 +55,46 @@ _TRACEABLE = {"GGUFLinear", "GGUFEmbedding", "W4A8Linear", "DraftVocabHead", "Fu
               "SharedInput", "Projection"}
 
 
-def _one_token(kwargs) -> bool:
+#: the most new tokens a compiled forward takes (a verify tree's size at most); longer forwards run eagerly
+MAX_ROWS = 16
+
+
+def _step(kwargs) -> bool:
     ids = kwargs.get("input_ids")
-    return (ids is not None and ids.dim() == 2 and ids.shape[1] == 1 and not kwargs.get("output_hidden_states")
+    return (ids is not None and ids.dim() == 2 and ids.shape[0] == 1 and 1 <= ids.shape[1] <= MAX_ROWS
+            and not kwargs.get("output_hidden_states") and isinstance(kwargs.get("logits_to_keep", 0), int)
             and kwargs.keys() <= _STEP_KEYWORDS)
+
+
+def _causal_mask(n: int, past: int) -> torch.Tensor:
+    """The additive [1, 1, n, past + n] mask that lets new token i see the cache and new tokens 0..i: what the
+    model builds for itself when given none, passed in so that masked and unmasked calls share one graph."""
+    mask = torch.zeros(n, past + n, dtype=torch.bfloat16)
+    later = torch.arange(past + n)[None, :] > past + torch.arange(n)[:, None]
+    return mask.masked_fill_(later, torch.finfo(torch.bfloat16).min)[None, None]
+
+
+def _run(compiled, past: int, input_ids, past_key_values, position_ids=None, attention_mask=None, use_cache=True,
+         output_hidden_states=False, logits_to_keep=0):
+    """Call the compiled forward with its arguments in one form, so that every caller shares two graphs (one
+    row, several rows): the implied causal mask and positions filled in, logits for every row (the last
+    kept afterwards where only they were asked for: a row's logits do not depend on the others)."""
+    n = input_ids.shape[1]
+    if attention_mask is None:
+        attention_mask = _causal_mask(n, past)
+    if position_ids is None:
+        position_ids = torch.arange(past, past + n)[None]
+    duck = fx_config.use_duck_shape  # off: sizes that happen to be equal (rows, heads) must not become one
+    fx_config.use_duck_shape = False
+    try:
+        out = compiled(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                       past_key_values=past_key_values, use_cache=use_cache, output_hidden_states=False,
+                       logits_to_keep=0)
+    finally:
+        fx_config.use_duck_shape = duck
+    if 0 < logits_to_keep < n:
+        out.logits = out.logits[:, -logits_to_keep:]
+    return out
 
 
 def _untraceable(model) -> str | None:
@@ -66,9 +106,9 @@ def _untraceable(model) -> str | None:
 
 
 def compile_steps(model: torch.nn.Module) -> str | None:
-    """Make ``model``'s one-token forwards compiled steps (see the module docstring); returns None when done,
-    else why not (the model is then left as it was). The first such step compiles (30-40 s for the 0.5B
-    and 1.5B models on two cores)."""
+    """Make ``model``'s forwards of up to :data:`MAX_ROWS` new tokens compiled steps (see the module
+    docstring); returns None when done, else why not (the model is then left as it was). The first one-token
+    and the first several-token forward each compile (30-40 s for the 0.5B and 1.5B models on two cores)."""
     from .gguf import GGUFLinear
     from .kernels import W4A8Linear
 
@@ -101,8 +141,11 @@ def compile_steps(model: torch.nn.Module) -> str | None:
     compiled = torch.compile(eager_forward, dynamic=True)
 
     def forward(*args, **kwargs):
-        if not args and _one_token(kwargs) and not torch.is_grad_enabled():
-            return compiled(**kwargs)
+        if not args and _step(kwargs) and not torch.is_grad_enabled():
+            cache = kwargs.get("past_key_values")
+            past = 0 if cache is None else cache.get_seq_length()
+            if past:  # a step after a prompt (a forward from an empty cache is a prefill: eager)
+                return _run(compiled, past, **kwargs)
         return eager_forward(*args, **kwargs)
     model.forward = forward
     model.hs_compiled = True
