@@ -21,12 +21,12 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def add_model_args(p) -> None:
+def add_model_args(p, compile_default: bool | str = False) -> None:
     p.add_argument("--model", required=True, help="offline name (see `hydraspec models list`), HF directory, .gguf file or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
-    add_compile_arg(p)
+    add_compile_arg(p, compile_default)
     p.add_argument("--no-prepack", action="store_true",
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
 
@@ -625,7 +625,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_build_tree)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching, adaptive speculation)")
-    add_model_args(s)
+    add_model_args(s, compile_default="auto")
     s.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++")
     add_method_args(s)
     s.add_argument("--acceptor", default="auto", choices=ACCEPTOR_CHOICES,

@@ -747,14 +747,14 @@ def _special_ids(tokenizer, eos) -> list[int]:
 
 
 def load_draft_model(name: str, dtype: str, device: str, quant: str | None = None, loader=None,
-                     vocab: int | None = None, tokenizer=None, compile: bool = False):
+                     vocab: int | None = None, tokenizer=None, compile: bool | str = False):
     """Load a draft model like the target (``loader(name, dtype=, device=)``, default :func:`load_model`)
     and quantise it as asked: ``gguf`` (or ``auto`` for a GGUF model on the CPU) keeps the file's precision,
     the others re-quantise (:mod:`hydraspec.quantize`; a GGUF model is re-quantised from the file's own
     values, never from a bf16 copy); ``auto`` is ``w4a8`` for a GGUF draft on the CPU with the native kernel.
     ``vocab``: draft over the first ``vocab`` token ids and the special ones only (:mod:`hydraspec.draft_vocab`);
     None: the auto cut of large vocabularies; 0: the whole vocabulary. ``tokenizer``: the target's, shared when
-    the draft's tokenizer files are the same (:func:`same_tokenizer`). ``compile``: its one-token steps compiled,
+    the draft's tokenizer files are the same (:func:`same_tokenizer`). ``compile``: its decoding steps compiled,
     as :func:`load_model`'s. Returns ``(model, tokenizer)``."""
     if quant in (None, "auto"):
         quant = auto_draft_quant(resolve_quant("auto", name, device)) if loader is None else "none"
@@ -776,7 +776,7 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
 
         huge_pages(model)
     if compile:
-        _compile(model)
+        _compile(model, quiet=compile == "auto")
     return model, tok
 
 
@@ -819,7 +819,7 @@ def load_model(
     prepack: bool | None = None,
     draft_vocab: int | None = 0,
     tokenizer=None,
-    compile: bool = False,
+    compile: bool | str = False,
 ):
     """Load a causal LM and its tokenizer; returns ``(model, tokenizer)`` with the model in eval mode.
 
@@ -836,8 +836,8 @@ def load_model(
     rows of the output tensor are read. ``tokenizer``: one already loaded, returned instead of a second copy
     when this model's tokenizer files are the same bytes as the ones it came from (:func:`same_tokenizer`; for a
     draft model, which never formats a prompt, so its own chat template does not matter). ``compile``: run the
-    one-token forwards as compiled steps (:func:`hydraspec.backend.compile_steps`; a warning says why not where
-    that cannot be done).
+    decoding steps and verify forwards as compiled steps (:func:`hydraspec.backend.compile_steps`; True: a warning
+    says why not where that cannot be done; "auto": compiled where that can be done, else quietly eager).
     Problems are reported as one-line :class:`HydraspecError`.
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
@@ -928,16 +928,17 @@ def load_model(
             huge_pages(model)
         release_free_memory()
     if compile:
-        _compile(model)
+        _compile(model, quiet=compile == "auto")
     return model, tokenizer
 
 
-def _compile(model) -> None:
+def _compile(model, quiet: bool = False) -> None:
     from .backend import compile_steps
 
     why = compile_steps(model)
     if why is not None:
-        warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=3)
+        if not quiet:
+            warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=3)
         return
     _compile_now(model)
 

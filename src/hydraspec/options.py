@@ -2,6 +2,7 @@
 so that the tools under the command line need not import it."""
 from __future__ import annotations
 
+import argparse
 import os
 
 from .errors import HydraspecError
@@ -20,11 +21,15 @@ def add_quant_arg(p) -> None:
                         "names and .gguf files on the CPU")
 
 
-def add_compile_arg(p) -> None:
-    p.add_argument("--compile", action="store_true",
-                   help="run the target's and the draft model's one-token decoding steps under torch.compile with the "
-                        "native kernels inside the graph (--quant gguf on the CPU; same numbers, less Python per step; the first step "
-                        "compiles for about half a minute; needs a C++ compiler)")
+def add_compile_arg(p, default: bool | str = False) -> None:
+    """--compile / --no-compile; ``default`` False (generate: one answer does not repay the compile) or "auto"
+    (bench, serve: compiled wherever that can be done, quietly eager elsewhere)."""
+    auto = default == "auto"
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=default,
+                   help="run the target's and the draft model's decoding steps and verify forwards under torch.compile "
+                        "with the native kernels inside the graph (--quant gguf on the CPU; same numbers, less Python "
+                        "per step; compiling takes one to two minutes a model on two cores once per process; needs a "
+                        "C++ compiler). Default: " + ("on where it can be done" if auto else "off"))
 
 
 def add_draft_quant_arg(p) -> None:

@@ -58,7 +58,7 @@ def add_parser(subparsers):
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
-    add_compile_arg(p)
+    add_compile_arg(p, "auto")
     p.add_argument("--no-prepack", action="store_true",
                    help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
     p.add_argument("--out", required=True, metavar="DIR",

@@ -8,8 +8,28 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define OB 32 /* outputs per packed weight block */
+
+/* How the matmul drivers hand weight blocks to threads: 1 (default) in chunks taken as each thread finishes
+   its last (dynamic), 0 in one fixed share per thread (static). A block's outputs do not depend on which
+   thread computes it, so both give the same bits; dynamic keeps both cores busy when one is slowed. */
+static int hs_dynamic = 1;
+void hs_set_dynamic(int on) { hs_dynamic = on; }
+
+/* Set the schedule of the next `schedule(runtime)` loop over nblk blocks: dynamic chunks of about an
+   eighth of a thread's share (at least one block), or static */
+static inline void hs_schedule(int64_t nblk, int nthreads) {
+#ifdef _OPENMP
+    int64_t chunk = nblk / ((int64_t)(nthreads > 0 ? nthreads : 1) * 8);
+    omp_set_schedule(hs_dynamic ? omp_sched_dynamic : omp_sched_static, hs_dynamic ? (int)(chunk > 0 ? chunk : 1) : 0);
+#else
+    (void)nblk; (void)nthreads;
+#endif
+}
 
 /* fp32 -> bf16 bits, round to nearest even (as torch's conversion); NaN stays a quiet NaN */
 static inline uint16_t f2bf(float f) {
@@ -140,7 +160,8 @@ static int run_int8(const uint16_t* xb, int64_t n, int64_t nb, int offset, const
     int8_rows q;
     if (make_int8_rows(xb, n, c->in, nb, offset, c->group, &q)) return -1;
     int64_t nrb = (n + nb - 1) / nb, nblk = (c->out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    hs_schedule(nblk, nthreads);
+    #pragma omp parallel for schedule(runtime) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
         int64_t o0 = b * OB, width = c->out - o0 < OB ? c->out - o0 : OB;
         for (int64_t r = 0; r < nrb; r++) {
@@ -176,7 +197,8 @@ static int run_f32(const uint16_t* xb, int64_t n, int64_t nb, const f32_call* c,
     float* xt = (float*)malloc((size_t)(nrb * nb * in) * sizeof(float));
     if (!xt) return -1;
     transpose_rows(xb, n, in, nb, xt);
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    hs_schedule(nblk, nthreads);
+    #pragma omp parallel for schedule(runtime) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++) {
         int64_t o0 = b * OB, width = c->out - o0 < OB ? c->out - o0 : OB;
         const char* wb = (const char*)c->wp + (size_t)(b * in * OB) * c->esize;

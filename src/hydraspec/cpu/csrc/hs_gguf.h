@@ -117,7 +117,8 @@ static int run_gguf(const uint16_t* xb, int64_t n, int64_t nb, const gguf_call* 
     gguf_rows q;
     if (make_gguf_rows(xb, n, c->in, c->G, nb, &q)) return -1;
     int64_t nrb = (n + nb - 1) / nb, nblk = (c->out + OB - 1) / OB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    hs_schedule(nblk, nthreads);
+    #pragma omp parallel for schedule(runtime) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++)
         for (int64_t r = 0; r < nrb; r++) tile(c, &q, b, r * nb, n - r * nb < nb ? n - r * nb : nb);
     free_gguf_rows(&q);
