@@ -951,7 +951,7 @@ def _compile_now(model) -> None:
     from .cache import new_cache
     from .verify import forward_nodes
 
-    print("hydraspec: compiling the decoding steps (once per process; about 30 s per graph on two cores)",
+    print("hydraspec: compiling the decoding steps (once per process; a minute or two on two cores)",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     cache = new_cache(model, 16)
