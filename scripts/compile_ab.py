@@ -20,6 +20,21 @@ PROMPTS = {"lua": "give me a line in lua that returns true if a string starts wi
            "sort": "Write a Python function that sorts a list of integers with merge sort, and explain it."}
 
 
+def start_server(model: str, port: int) -> subprocess.Popen:
+    """llama-server on the model's GGUF file: 2 threads, one slot (scripts/build_llamacpp.sh builds it)."""
+    return subprocess.Popen([str(server_binary()), "-m", str(gguf_file(model)), "-t", "2", "-tb", "2", "-c", "4096",
+                             "-np", "1", "--port", str(port), "--no-warmup"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def llama_ms(port: int, ids: list[int], tokens: int) -> float:
+    """llama-server's decode time per token for ``tokens`` new tokens after the prompt ``ids`` (prompt cache off)."""
+    body = json.dumps({"prompt": ids, "n_predict": tokens, "temperature": 0, "cache_prompt": False,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req).read())["timings"]["predicted_per_token_ms"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -28,9 +43,7 @@ def main():
     ap.add_argument("--port", type=int, default=8937)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    srv = subprocess.Popen([str(server_binary()), "-m", str(gguf_file(args.model)), "-t", "2", "-tb", "2", "-c", "4096",
-                            "-np", "1", "--port", str(args.port), "--no-warmup"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = start_server(args.model, args.port)
     eager, tok = load_model(args.model, quant="gguf", progress=False)
     compiled, _ = load_model(args.model, quant="gguf", progress=False, compile=True)
     gens = {"eager": SpeculativeGenerator(eager, tok), "compiled": SpeculativeGenerator(compiled, tok)}
@@ -46,11 +59,7 @@ def main():
         return run
 
     def llama(x):
-        body = json.dumps({"prompt": x, "n_predict": args.tokens, "temperature": 0, "cache_prompt": False,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{args.port}/completion", body,
-                                     {"Content-Type": "application/json"})
-        return json.loads(urllib.request.urlopen(req).read())["timings"]["predicted_per_token_ms"]
+        return llama_ms(args.port, x, args.tokens)
 
     time.sleep(5)
     sides = [("eager", ours("eager")), ("compiled", ours("compiled")), ("llama.cpp", llama)]

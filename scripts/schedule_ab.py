@@ -5,21 +5,17 @@ program or a slowed virtual CPU would), and llama.cpp's llama-server (if built) 
     python scripts/schedule_ab.py qwen2.5-coder-1.5b-instruct --rounds 4 [--hog] [--llamacpp]
 """
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 import torch
 
+from compile_ab import PROMPTS, llama_ms, start_server  # scripts/ beside this file
 from hydraspec.cpu.kernels import native_lib
 from hydraspec.generator import SpeculativeGenerator
-from hydraspec.models import gguf_file, load_model
-
-PROMPTS = {"lua": "give me a line in lua that returns true if a string starts with 'data:'",
-           "sort": "Write a Python function that sorts a list of integers with merge sort, and explain it."}
+from hydraspec.models import load_model
 
 
 def main():
@@ -36,10 +32,7 @@ def main():
     lib = native_lib()
     srv = None
     if args.llamacpp:
-        from hydraspec.bench.llamacpp import server_binary
-        srv = subprocess.Popen([str(server_binary()), "-m", str(gguf_file(args.model)), "-t", "2", "-tb", "2",
-                                "-c", "4096", "-np", "1", "--port", str(args.port), "--no-warmup"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        srv = start_server(args.model, args.port)
     model, tok = load_model(args.model, quant="gguf", progress=False, compile=args.compile)
     gen = SpeculativeGenerator(model, tok)
     ids = {k: gen.encode(p) for k, p in PROMPTS.items()}
@@ -53,11 +46,7 @@ def main():
         return run
 
     def llama(x):
-        body = json.dumps({"prompt": x, "n_predict": args.tokens, "temperature": 0, "cache_prompt": False,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{args.port}/completion", body,
-                                     {"Content-Type": "application/json"})
-        return json.loads(urllib.request.urlopen(req).read())["timings"]["predicted_per_token_ms"], None
+        return llama_ms(args.port, x, args.tokens), None
 
     sides = [("static", ours(0)), ("dynamic", ours(1))] + ([("llama.cpp", llama)] if srv else [])
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.hog else None

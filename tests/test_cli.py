@@ -146,3 +146,28 @@ def test_train_heads_command(saved, tmp_path, capsys):
                      "medusa", "--joint", "--epochs", "2", "--prompts", str(prompts), "--data",
                      str(out / "answers.jsonl"), "--out", str(tmp_path / "j"), "--max-new-tokens", "8")
     assert rc == 2 and "float32" in err and "Traceback" not in err
+
+
+def test_bench_and_serve_compile_where_they_can_by_default_and_generate_does_not(saved):
+    """bench and serve default to --compile auto (compiled where it can be done, quietly eager elsewhere),
+    generate to eager; --compile / --no-compile override; auto on a model not at a GGUF precision loads it
+    eagerly without a warning, where an explicit --compile warns why."""
+    import warnings
+
+    from hydraspec.cli import make_parser
+    from hydraspec.models import load_model
+
+    p = make_parser()
+    common = ["--model", str(saved / "target")]
+    assert p.parse_args(["generate", *common, "--prompt", "x"]).compile is False
+    assert p.parse_args(["serve", *common]).compile == "auto"
+    bench = ["bench", *common, "--prompts", "p.jsonl", "--out", "o"]
+    assert p.parse_args(bench).compile == "auto"
+    assert p.parse_args([*bench, "--no-compile"]).compile is False
+    assert p.parse_args(["generate", *common, "--prompt", "x", "--compile"]).compile is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, _ = load_model(str(saved / "target"), dtype="float32", device="cpu", compile="auto")
+    assert not getattr(model, "hs_compiled", False)
+    with pytest.warns(UserWarning, match="uncompiled"):
+        load_model(str(saved / "target"), dtype="float32", device="cpu", compile=True)

@@ -74,6 +74,32 @@ def test_rows_are_independent(type_name, native, monkeypatch):
     assert ((full.float() - dense).abs() <= 0.05 * scale).all()  # int8 activations: close, not equal
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_outputs_do_not_depend_on_how_blocks_are_handed_to_threads(type_name):
+    """Weight blocks handed to threads in fixed halves (static) or as each thread finishes (dynamic, the
+    default) give the same bits, at 1 and 2 threads and one to several rows."""
+    import hydraspec.cpu.gguf as gw
+
+    lib = gw._gguf_lib()
+    if lib is None or not hasattr(lib, "hs_set_dynamic"):
+        pytest.skip("no native GGUF kernel on this CPU")
+    lin = GGUFLinear(decode(type_name, random_tensor(type_name, 1000, 512, seed=2), 1000, 512))
+    x = torch.randn(5, 512).bfloat16()
+    threads = torch.get_num_threads()
+    out = []
+    try:
+        for dynamic, n in ((0, 2), (1, 2), (1, 1), (0, 1)):
+            lib.hs_set_dynamic(dynamic)
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                out.append((lin(x), lin(x[:1])))
+    finally:
+        lib.hs_set_dynamic(1)
+        torch.set_num_threads(threads)
+    for many, one in out[1:]:
+        assert torch.equal(many, out[0][0]) and torch.equal(one, out[0][1])
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_joined_siblings_compute_what_each_weight_computes(native, monkeypatch):
     """q/k/v (or gate/up) joined into one weight give each projection exactly its own output, whatever

@@ -13,7 +13,7 @@ a compiled step returns the same logits bit for bit (tested); only the Python be
 Forwards of at most :data:`MAX_ROWS` new tokens are compiled: one-token steps (plain decoding, a draft
 model's chain) and verify forwards (a chain or tree of drafts, a draft model catching up on accepted
 tokens). Longer forwards and any forward from an empty cache (prefill) stay eager. A call without a mask gets the causal one it implies, so two
-graphs per model are compiled, one for a single row and one for several (20-40 s each on two cores, once
+graphs per model are compiled, one for a single row and one for several (30-70 s each on two cores, once
 per process).
 The operator library is compiled with the system C++ compiler against the installed torch on first use
 (into the hydraspec home); without a compiler, torch's headers or the native kernels, nothing is compiled
@@ -108,7 +108,7 @@ def _untraceable(model) -> str | None:
 def compile_steps(model: torch.nn.Module) -> str | None:
     """Make ``model``'s forwards of up to :data:`MAX_ROWS` new tokens compiled steps (see the module
     docstring); returns None when done, else why not (the model is then left as it was). The first one-token
-    and the first several-token forward each compile (30-40 s for the 0.5B and 1.5B models on two cores)."""
+    and the first several-token forward each compile (30-70 s each for the 0.5B and 1.5B models on two cores)."""
     from .gguf import GGUFLinear
     from .kernels import W4A8Linear
 
