@@ -115,6 +115,29 @@ def test_every_method_answers_as_plain_decoding_with_compiled_steps(pair):
         assert res.token_ids == ref.token_ids, drafter.name
 
 
+def test_an_engine_built_outside_inference_mode_runs_the_graphs_compiled_at_load(pair):
+    """The server builds its engine outside inference mode; its first request must reuse the two graphs
+    compiled at load (no compile of a minute or more under a waiting client), and answer as plain decoding."""
+    from torch._dynamo.utils import counters
+
+    from hydraspec.batch import BatchGenerator
+    from hydraspec.engine import Request
+
+    eager, compiled, tok = pair
+    ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=24)
+    bg = BatchGenerator(compiled, tok, make_drafter("pld"))
+    engine = bg.engine(rows=2, capacity=256)  # as hydraspec serve builds it: no inference mode around it
+    ids = SpeculativeGenerator(compiled, tok).encode(PROMPT)
+    req = Request(ids, 24)
+    engine.add(req)
+    graphs, captured = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+    while req.result is None:
+        engine.step()
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled again
+    assert counters["stats"]["calls_captured"] == captured  # (and no frame traced anew)
+    assert req.result.token_ids == ref.token_ids
+
+
 def test_compiled_steps_refuse_what_they_cannot_run_and_leave_the_model_alone():
     """A model not at a GGUF precision is refused with a reason and keeps its forward."""
     import tiny

@@ -117,10 +117,11 @@ class Engine:
         self.rows, self.capacity = rows, capacity
         self.need_hidden = keep_hidden or self.drafter.needs_hidden or any(d.needs_hidden for _, d in self.trees)
         self.max_nodes = max([self.drafter.max_nodes] + [d.max_nodes for _, d in self.trees])
-        self.cache = new_cache(model, capacity)
-        allocate_rows(self.cache, model, rows)
-        # the drafter's own state for drafting every row at once (None: the rows' drafters draft)
-        self.draft_batch = self.drafter.batch_state(capacity + self.max_nodes + 1, rows)
+        with torch.inference_mode():  # inference tensors wherever the engine is built, as every step makes them
+            self.cache = new_cache(model, capacity)
+            allocate_rows(self.cache, model, rows)
+            # the drafter's own state for drafting every row at once (None: the rows' drafters draft)
+            self.draft_batch = self.drafter.batch_state(capacity + self.max_nodes + 1, rows)
         self.waiting: list[Request] = []
         self.active: list[_Row] = []
         self.forwards = 0
