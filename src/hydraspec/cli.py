@@ -154,7 +154,7 @@ def cmd_generate_batch(args) -> int:
     import torch
 
     from .batch import BatchGenerator, gib, load_batch_trees, read_prompt_lines
-    from .models import load_draft_model, load_model
+    from .models import compile_models, load_draft_model, load_model
 
     if args.batch_size < 1:
         raise HydraspecError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -171,11 +171,11 @@ def cmd_generate_batch(args) -> int:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     trees = load_batch_trees(getattr(args, "batch_trees", None))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-                            compile=args.compile)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok, compile=args.compile) \
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method in DRAFT_METHODS else None
+    compile_models(model, draft[0] if draft else None, how=args.compile)
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))
@@ -208,7 +208,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from .generator import SpeculativeGenerator
-    from .models import load_draft_model, load_model
+    from .models import compile_models, load_draft_model, load_model
 
     if args.max_new_tokens <= 0:
         raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
@@ -233,11 +233,11 @@ def cmd_generate(args) -> int:
     if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(thread_count())
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-                            compile=args.compile)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok, compile=args.compile) \
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method in DRAFT_METHODS else None
+    compile_models(model, draft[0] if draft else None, how=args.compile)
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     streamer = None
@@ -474,7 +474,7 @@ def cmd_serve(args) -> int:
 
     from .batch import BatchGenerator
     from .drafters import DRAFT_METHODS, METHODS
-    from .models import load_draft_model, load_model
+    from .models import compile_models, load_draft_model, load_model
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
@@ -484,11 +484,10 @@ def cmd_serve(args) -> int:
         raise HydraspecError(f"hydraspec serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") \
             from None
     torch.set_num_threads(args.threads or thread_count())
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant,
-                            compile=args.compile)
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok,
-                             compile=args.compile) if args.method in DRAFT_METHODS else None
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in DRAFT_METHODS else None
+    compile_models(model, draft[0] if draft else None, how=args.compile)
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import gc
 import os
 import re
 import shutil
@@ -932,8 +933,20 @@ def load_model(
     return model, tokenizer
 
 
+def compile_models(*models, how: bool | str = True) -> None:
+    """Compile the decoding steps of each model given (None is skipped; ``how`` as ``load_model``'s
+    ``compile``). The command line loads the target and the draft model first and compiles both after:
+    loading a draft model that is re-quantised passes through a peak of its own, which should not come on
+    top of the memory that compiling the target keeps (BENCHMARKS.md, peak memory)."""
+    if how:
+        for model in models:
+            if model is not None:
+                _compile(model, quiet=how == "auto")
+
+
 def _compile(model, quiet: bool = False) -> None:
     from .backend import compile_steps
+    from .cpu.kernels import release_free_memory
 
     why = compile_steps(model)
     if why is not None:
@@ -941,6 +954,8 @@ def _compile(model, quiet: bool = False) -> None:
             warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=3)
         return
     _compile_now(model)
+    gc.collect()
+    release_free_memory()  # what compiling freed goes back to the system
 
 
 def _compile_now(model) -> None:

@@ -43,6 +43,5 @@ def default_loader(args):
     from ..models import load_model
 
     def load(name, dtype, device):
-        return load_model(name, dtype=dtype, device=device, quant=getattr(args, "quant", "none"),
-                          compile=getattr(args, "compile", False))
+        return load_model(name, dtype=dtype, device=device, quant=getattr(args, "quant", "none"))
     return load

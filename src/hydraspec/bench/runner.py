@@ -65,6 +65,7 @@ def run_bench(args, loader=None) -> int:
         torch.set_num_threads(thread_count())
         load = loader or default_loader(args)
         model, tok = load(args.model, dtype=args.dtype, device=args.device)
+        from ..models import compile_models
         device = str(model.device)
         working = list(dict.fromkeys(m for _, ms in pending for m in ms))
         draft = None
@@ -72,8 +73,8 @@ def run_bench(args, loader=None) -> int:
             from ..models import load_draft_model
 
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                                     loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok,
-                                     compile=getattr(args, "compile", False))
+                                     loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
+        compile_models(model, draft[0] if draft else None, how=getattr(args, "compile", False))  # both loaded first (peak memory)
         from ..generator import SpeculativeGenerator
         from ..inputs import eos_ids
 
