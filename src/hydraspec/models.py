@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import gc
+import json
 import os
 import re
 import shutil
@@ -776,8 +776,7 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
         from .backend import huge_pages
 
         huge_pages(model)
-    if compile:
-        _compile(model, quiet=compile == "auto")
+    compile_models(model, how=compile)
     return model, tok
 
 
@@ -928,8 +927,7 @@ def load_model(
         if prepack is not False:  # (a draft that is re-quantized next moves once that is done)
             huge_pages(model)
         release_free_memory()
-    if compile:
-        _compile(model, quiet=compile == "auto")
+    compile_models(model, how=compile)
     return model, tokenizer
 
 
@@ -951,7 +949,7 @@ def _compile(model, quiet: bool = False) -> None:
     why = compile_steps(model)
     if why is not None:
         if not quiet:
-            warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=3)
+            warnings.warn(f"hydraspec: decoding steps run uncompiled: {why}", stacklevel=4)
         return
     _compile_now(model)
     gc.collect()
@@ -969,8 +967,8 @@ def _compile_now(model) -> None:
     print("hydraspec: compiling the decoding steps (once per process; a minute or two on two cores)",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    cache = new_cache(model, 16)
     with torch.inference_mode():  # the engine's inputs are inference tensors, and the graphs are specific to that
+        cache = new_cache(model, 16)
         for start, stop in ((0, 5), (5, 6), (6, 8)):  # a prefill (eager), one token, two tokens
             ids = torch.arange(start, stop, device=model.device)
             forward_nodes(model, cache, ids, ids.clone(), None, 0)

@@ -62,19 +62,19 @@ def run_bench(args, loader=None) -> int:
 
     device = args.device
     if pending:
+        from ..models import compile_models, load_draft_model
+
         torch.set_num_threads(thread_count())
         load = loader or default_loader(args)
         model, tok = load(args.model, dtype=args.dtype, device=args.device)
-        from ..models import compile_models
         device = str(model.device)
         working = list(dict.fromkeys(m for _, ms in pending for m in ms))
         draft = None
         if any(METHODS[m].needs_draft for m in working):
-            from ..models import load_draft_model
-
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                                      loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
-        compile_models(model, draft[0] if draft else None, how=getattr(args, "compile", False))  # both loaded first (peak memory)
+        # compiled once both are loaded (peak memory: models.compile_models)
+        compile_models(model, draft[0] if draft else None, how=getattr(args, "compile", False))
         from ..generator import SpeculativeGenerator
         from ..inputs import eos_ids
 

@@ -12,9 +12,9 @@ a compiled step returns the same logits bit for bit (tested); only the Python be
 
 Forwards of at most :data:`MAX_ROWS` new tokens are compiled: one-token steps (plain decoding, a draft
 model's chain) and verify forwards (a chain or tree of drafts, a draft model catching up on accepted
-tokens). Longer forwards and any forward from an empty cache (prefill) stay eager. A call without a mask gets the causal one it implies, so two
-graphs per model are compiled, one for a single row and one for several (30-70 s each on two cores, once
-per process).
+tokens). Longer forwards and any forward from an empty cache (prefill) stay eager. A call without a mask
+gets the causal one it implies, so two graphs per model are compiled, one for a single row and one for
+several (30-70 s each on two cores, once per process).
 The operator library is compiled with the system C++ compiler against the installed torch on first use
 (into the hydraspec home); without a compiler, torch's headers or the native kernels, nothing is compiled
 and every step runs eagerly as before.
