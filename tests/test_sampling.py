@@ -261,6 +261,7 @@ E2E_VOCAB = 24
     ("draft-tree", dict(temperature=0.7, top_k=5), 600),
     ("pld", dict(temperature=0.7, top_p=0.8), 500),
     ("pld+hydra", dict(temperature=0.7, top_p=0.8), 500),
+    ("eagle", dict(temperature=0.7, top_k=5), 500),
 ])
 def test_generator_two_tokens_follow_target(method, sampling, n):
     tok = tiny.make_tokenizer(E2E_VOCAB)
@@ -277,6 +278,12 @@ def test_generator_two_tokens_follow_target(method, sampling, n):
             heads = build_heads("hydra", model, num_heads=2)
             drafter = make_drafter(method, heads=heads, embed=model.get_input_embeddings(),
                                    tree=[[0], [1], [0, 0]], pld_tokens=2)
+    elif method == "eagle":  # a sampled EAGLE tree: siblings drawn without replacement from the head's q
+        from hydraspec.heads import build_heads
+
+        prompt = [3, 5, 7, 11]
+        heads = build_heads("eagle", model, num_heads=2).eval()
+        drafter = make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=[[0], [1], [0, 0]])
     else:
         prompt = [3, 5, 7, 11]
         drafter = make_drafter("draft", tiny.noisy_copy(model, 0.5, seed=8), widths=[2, 2])

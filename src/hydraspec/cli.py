@@ -70,12 +70,12 @@ def add_sampling_args(p) -> None:
 
 
 def build_drafter(args, target_tok, draft=None, model=None):
-    from .drafters import METHODS, make_drafter
+    from .drafters import HEAD_METHODS, METHODS, make_drafter
 
     method = args.method
     if method not in METHODS:
         raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")
-    if method.removeprefix("pld+") in ("medusa", "hydra", "hydra++"):
+    if method.removeprefix("pld+") in HEAD_METHODS:
         from .heads import load_heads
         from .tree import load_tree_spec
 
@@ -161,13 +161,13 @@ def cmd_generate_batch(args) -> int:
     prompts = read_prompt_lines(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise HydraspecError("the prompt is empty")
-    from .drafters import DRAFT_METHODS, METHODS
+    from .drafters import DRAFT_METHODS, HEAD_METHODS, METHODS
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method in DRAFT_METHODS and not args.draft_model:
         raise HydraspecError(f"method '{args.method}' needs --draft-model")
-    if args.method in ("medusa", "hydra", "hydra++") and not args.heads:
+    if args.method in HEAD_METHODS and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     trees = load_batch_trees(getattr(args, "batch_trees", None))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -224,13 +224,13 @@ def cmd_generate(args) -> int:
         prompt = args.prompt
     if not prompt or not prompt.strip():
         raise HydraspecError("the prompt is empty")
-    from .drafters import DRAFT_METHODS, METHODS
+    from .drafters import DRAFT_METHODS, HEAD_METHODS, METHODS
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method in DRAFT_METHODS and not args.draft_model:
         raise HydraspecError(f"method '{args.method}' needs --draft-model")
-    if args.method.removeprefix("pld+") in ("medusa", "hydra", "hydra++") and not args.heads:
+    if args.method.removeprefix("pld+") in HEAD_METHODS and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
     torch.set_num_threads(thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
@@ -340,8 +340,13 @@ def cmd_train_heads(args) -> int:
             print(f"data generation {t_data / 60:.1f} min; answers in {data}", file=sys.stderr)
         return 0
     kind, distill, layers, prefix = args.kind, False, args.num_layers, False
+    head_options, eagle = {}, None
     if kind == "hydra++":
         kind, distill, layers, prefix = "hydra", True, max(layers, 4), True
+    if kind == "eagle":  # distilled from the base's own distribution, as EAGLE trains
+        distill = True
+        head_options = {"intermediate_size": args.eagle_intermediate} if args.eagle_intermediate else {}
+        eagle = {"steps": args.eagle_steps}
     text_tokens = 0
     if args.text:  # text read at prefill speed: the base's own distributions are the targets
         from .train.text_data import write_text_rows
@@ -384,7 +389,7 @@ def cmd_train_heads(args) -> int:
                       prefix_layer=prefix, extra_config=used, draft_vocab=args.draft_vocab or None,
                       cache_bytes=cache_bytes, joint=args.joint,
                       warmup_epochs=args.warmup_epochs, lm_weight=args.lm_weight, base_lr=args.base_lr,
-                      train_dtype=args.train_dtype, accum=args.grad_accum)
+                      train_dtype=args.train_dtype, accum=args.grad_accum, head_options=head_options, eagle=eagle)
     if not is_main:  # the main process saved everything and reports
         return 0
     if args.joint:
@@ -534,9 +539,14 @@ def make_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train-heads", help="self-distil and train Medusa/Hydra draft heads (frozen base)")
     add_model_args(t)
-    t.add_argument("--kind", required=True, choices=("medusa", "hydra", "hydra++"),
+    t.add_argument("--kind", required=True, choices=("medusa", "hydra", "hydra++", "eagle"),
                    help="hydra++ = 4-layer Hydra heads distilled from the base model's distribution, "
-                        "reading the output of one extra prefix-attention decoder layer")
+                        "reading the output of one extra prefix-attention decoder layer; eagle = one decoder "
+                        "layer drafting autoregressively on the base's features (EAGLE), distilled")
+    t.add_argument("--eagle-intermediate", type=int, default=0, metavar="N",
+                   help="eagle: the layer's MLP width (default the base's; narrower drafts faster on a CPU)")
+    t.add_argument("--eagle-steps", type=int, default=2, metavar="K",
+                   help="eagle: train on its own guesses down to draft depth K (default 2; 1 = EAGLE-1)")
     t.add_argument("--prompts", nargs="+", help="Spec-Bench-format jsonl files (first turns used)")
     t.add_argument("--data", help="self-distillation answers (jsonl) to use and extend; default OUT/answers.jsonl "
                                    "(point several trainings at one file to generate the answers once)")
@@ -625,7 +635,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching, adaptive speculation)")
     add_model_args(s, compile_default="auto")
-    s.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++")
+    s.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++ | eagle | pld+...")
     add_method_args(s)
     s.add_argument("--acceptor", default="auto", choices=ACCEPTOR_CHOICES,
                    help="auto: greedy at temperature 0, else lossless; typical does not preserve the distribution")

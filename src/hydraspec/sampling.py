@@ -16,19 +16,22 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    def _nucleus(self, sorted_x: torch.Tensor) -> torch.Tensor:
+        """Logits sorted in descending order with the tokens outside the top-p nucleus set to -inf: a token
+        goes when the mass before it already reaches top_p (the first token always stays)."""
+        p = sorted_x.softmax(-1)
+        return sorted_x.masked_fill((p.cumsum(-1) - p) >= self.top_p, float("-inf"))
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., vocab] float logits -> [..., vocab] probabilities after temperature, top-k, top-p."""
         x = logits.float() / self.temperature
         if self.top_k and self.top_k < x.shape[-1]:
-            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
-            x = x.masked_fill(x < kth, float("-inf"))
+            top = torch.topk(x, self.top_k, dim=-1)  # sorted: top-p needs no sort of the whole vocabulary
+            vals = self._nucleus(top.values) if self.top_p < 1.0 else top.values
+            return torch.full_like(x, float("-inf")).scatter(-1, top.indices, vals).softmax(-1)
         if self.top_p < 1.0:
             sorted_x, order = torch.sort(x, dim=-1, descending=True)
-            cum = sorted_x.softmax(-1).cumsum(-1)
-            # drop a token when the mass before it already reaches top_p (the first token always stays)
-            drop_sorted = (cum - sorted_x.softmax(-1)) >= self.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            x = x.masked_fill(drop, float("-inf"))
+            x = torch.empty_like(x).scatter(-1, order, self._nucleus(sorted_x))
         return x.softmax(-1)
 
 

@@ -353,7 +353,10 @@ register(MethodSpec("hydra", _heads("hydra"), "hydraspec with Hydra heads (--hea
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("hydra++", _heads("hydra++"), "hydraspec with Hydra++ heads: prefix layer, distilled (--heads)",
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
-for _m in ("medusa", "hydra", "hydra++"):
+register(MethodSpec("eagle", _heads("eagle"), "hydraspec with an EAGLE head: one layer drafting on the target's "
+                                              "features (--heads, --tree)",
+                    needs_heads=True, settings=("heads", "tree")))
+for _m in ("medusa", "hydra", "hydra++", "eagle"):
     register(MethodSpec(f"pld+{_m}", _heads(f"pld+{_m}"),
                         f"hydraspec with prompt lookup merged into the {_m} heads' tree (--heads, --pld-tokens)",
                         needs_heads=True, settings=("heads", "pld_tokens", "tree", "tree_nodes", "tree_depth",

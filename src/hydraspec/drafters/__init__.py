@@ -5,15 +5,16 @@ from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
 from .prompt_lookup import PromptLookupDrafter
 
-METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++", "pld+draft", "pld+medusa", "pld+hydra", "pld+hydra++")
-HEAD_METHODS = ("medusa", "hydra", "hydra++")
+METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa", "pld+hydra",
+           "pld+hydra++", "pld+eagle")
+HEAD_METHODS = ("medusa", "hydra", "hydra++", "eagle")
 DRAFT_METHODS = ("draft", "pld+draft")  # the methods that need a draft model
 
 
 def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
                  **options) -> Drafter:
     """Build the drafter for a method name: 'ar' (none), 'draft' (needs draft_model), 'pld', 'medusa' /
-    'hydra' / 'hydra++' (heads=, embed=); 'pld+medusa' / 'pld+hydra' / 'pld+hydra++': prompt lookup merged
+    'hydra' / 'hydra++' / 'eagle' (heads=, embed=); 'pld+medusa' / 'pld+hydra' / 'pld+hydra++' / 'pld+eagle': prompt lookup merged
     into the heads' tree (pld_tokens=, pld_ngram=, pld_min_ngram= for the lookup); 'pld+draft': prompt lookup's
     chain where it finds one, else the draft model's proposal (the draft model is not run that step).
 
@@ -53,7 +54,7 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         if tree is not None:
             options["tree"] = tree
         return DraftModelDrafter(draft_model, **options)
-    if method in ("medusa", "hydra", "hydra++"):
+    if method in HEAD_METHODS:
         heads, embed = options.get("heads"), options.get("embed")
         if heads is None or embed is None:
             raise HydraspecError(f"method '{method}' needs trained heads (--heads DIR)")
@@ -66,6 +67,12 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         from ..heads.checkpoint import default_tree
         from .heads import HeadDrafter
 
+        if heads.kind == "eagle":
+            if parse_dynamic(tree):
+                raise HydraspecError("EAGLE heads draft static trees (--tree FILE or the heads' default), not 'dynamic'")
+            from .eagle import EagleDrafter
+
+            return EagleDrafter(heads, embed, tree or default_tree(heads.num_heads))
         if parse_dynamic(tree):
             from .dynamic import DynamicHeadDrafter
 

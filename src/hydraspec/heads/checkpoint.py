@@ -9,7 +9,10 @@ from safetensors.torch import load_file, save_file
 
 from ..backend import int8_per_row
 from ..errors import HydraspecError
+from .eagle import EagleHeads
 from .modules import KINDS, Heads
+
+KINDS = {**KINDS, "eagle": EagleHeads}
 
 FORMAT = "hydraspec-heads"
 DEFAULT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -20,15 +23,14 @@ def default_tree(num_heads: int) -> list[list[int]]:
 
 
 def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False,
-                prefix_layer: bool = False, vocab_subset=None) -> Heads:
+                prefix_layer: bool = False, vocab_subset=None, **extra) -> Heads:
     """Fresh heads for `model`. prefix_layer adds Hydra++'s extra decoder layer (identity when fresh);
-    vocab_subset (token ids) restricts the heads' projection to a draft vocabulary."""
+    vocab_subset (token ids) restricts the heads' projection to a draft vocabulary; ``extra``: what a kind
+    takes beyond these (EAGLE: intermediate_size)."""
     if kind not in KINDS:
         raise HydraspecError(f"unknown head kind '{kind}'; known: {', '.join(KINDS)}")
-    cfg = model.config.get_text_config(decoder=True)
-    heads = KINDS[kind](cfg.hidden_size, cfg.vocab_size, num_heads=num_heads, num_layers=num_layers,
-                        lm_head=model.get_output_embeddings(), own_projection=own_projection,
-                        vocab_subset=vocab_subset)
+    heads = KINDS[kind].for_model(model, num_heads=num_heads, num_layers=num_layers, own_projection=own_projection,
+                                  vocab_subset=vocab_subset, **extra)
     if prefix_layer:
         from .prefix import PrefixLayer
 
@@ -47,7 +49,8 @@ def save_heads(heads: Heads, directory, base_model: str, tree: list[list[int]] |
     cfg = {"format": FORMAT, "kind": heads.kind, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
            "hidden_size": heads.hidden, "vocab_size": heads.vocab, "own_projection": heads.own_projection,
            "prefix_layer": heads.prefix is not None,
-           "draft_vocab": heads.out_vocab if heads.subset is not None else None, "base_model": base_model, "default_tree": tree or default_tree(heads.num_heads), **extra}
+           "draft_vocab": heads.out_vocab if heads.subset is not None else None, "base_model": base_model,
+           "default_tree": tree or default_tree(heads.num_heads), **heads.extra_config(), **extra}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
@@ -110,7 +113,8 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
     state = _dequantize_int8(load_file(str(d / "heads.safetensors")))
     heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
-                        prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"))
+                        prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"),
+                        **({"intermediate_size": cfg["intermediate_size"]} if cfg.get("intermediate_size") else {}))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HydraspecError(f"heads checkpoint '{d}' does not match its config (missing {missing[:3]}, "

@@ -65,7 +65,20 @@ class Heads(nn.Module):
             self.proj = None
             self._shared = [lm_head]  # a list keeps the frozen base head out of this module's parameters
             self._shared_sub = None  # frozen rows of lm_head for the draft vocabulary, made on first use
+            self._shared_dense = None  # (training on a GGUF base) those rows as a float matrix
         self.prefix = None  # Hydra++'s prefix-attention layer (heads.prefix.PrefixLayer), set by build_heads
+
+    @classmethod
+    def for_model(cls, model, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False,
+                  vocab_subset=None, **_) -> "Heads":
+        """Fresh heads of this kind for ``model`` (its hidden size, vocabulary and lm_head)."""
+        cfg = model.config.get_text_config(decoder=True)
+        return cls(cfg.hidden_size, cfg.vocab_size, num_heads=num_heads, num_layers=num_layers,
+                   lm_head=model.get_output_embeddings(), own_projection=own_projection, vocab_subset=vocab_subset)
+
+    def extra_config(self) -> dict:
+        """What a checkpoint's config.json needs beyond the common fields to rebuild these heads."""
+        return {}
 
     def prefixed(self, hidden: torch.Tensor) -> torch.Tensor:
         """Training view: the hidden states [T, dim] of a whole sequence as the heads read them."""
@@ -97,6 +110,11 @@ class Heads(nn.Module):
             head = self.proj[k]
             return head(x.to(head.weight.dtype))
         base = self._shared[0]
+        if hasattr(base, "select") and torch.is_grad_enabled():  # training on a GGUF base: its rows dequantized
+            # once (the kernel has no backward), so that gradients reach what feeds the projection
+            if not self._shared_dense:
+                self._shared_dense = (base.dequantized(self.subset).float(),)
+            return torch.nn.functional.linear(x.float(), self._shared_dense[0].to(x.device))
         if hasattr(base, "select"):  # a base lm_head at the GGUF file's precision (hydraspec.cpu.gguf)
             if self.subset is None:
                 return base(x.to(torch.bfloat16))

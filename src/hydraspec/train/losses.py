@@ -27,12 +27,15 @@ def head_logits(heads, k: int, hidden: torch.Tensor, ids: torch.Tensor, embed, p
 
 
 def heads_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, embed=None,
-               decay: float = 0.8, teacher_logits: torch.Tensor | None = None):
+               decay: float = 0.8, teacher_logits: torch.Tensor | None = None, eagle: dict | None = None):
     """sum_k decay^k * loss_k, where loss_k is the cross-entropy of head k against the real token
     t + k + 2 (Medusa-1 / Hydra) or, with teacher_logits [T, vocab] from the base model, against the base
     model's distribution for that token, softmax(teacher_logits[t + k + 1]) (Hydra++ distillation;
     with a draft vocabulary, teacher_logits may hold the whole vocabulary or only its columns).
-    Returns (loss, per-head dict of top-1 / top-5 hit counts and the number of targets)."""
+    Returns (loss, per-head dict of top-1 / top-5 hit counts and the number of targets).
+    An EAGLE head has a loss of its own (:func:`eagle_loss`; ``eagle`` holds its options)."""
+    if heads.kind == "eagle":
+        return eagle_loss(heads, hidden, ids, prompt_len, embed=embed, teacher_logits=teacher_logits, **(eagle or {}))
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []
     for k in range(heads.num_heads):
@@ -59,4 +62,85 @@ def heads_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
             top5 = logits.topk(min(5, logits.shape[-1]), -1).indices
             stats.append({"n": int(pos.numel()), "top1": int((top5[:, 0] == target).sum()),  # -100 never hits
                           "top5": int((top5 == target[:, None]).any(-1).sum())})
+    return total, stats
+
+
+def eagle_guesses(heads, feats: torch.Tensor, tok: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """An EAGLE head's guesses [n, dim] at every draft depth 1 .. ``steps`` for the pairs (feats[j], tok[j])
+    at positions j = 0 .. n - 1, as drafting computes them: depth 1 reads the true pairs; depth k reads, at
+    position j, depth k - 1's guess at j - 1 with tok[j], and attends to the true pairs up to j - k + 1, to
+    the same chain's rows of the depths between, and to itself (what a draft committed up to j - k + 1
+    sees). Rows j < k - 1 of depth k have no such chain: they see only themselves."""
+    from ..heads.eagle import additive, new_cache
+
+    n = feats.shape[0]
+    pos = torch.arange(n, device=feats.device)
+    cache = new_cache()
+    out = [heads.step(feats, tok, pos, cache)]
+    for k in range(2, steps + 1):
+        prev = torch.cat([out[-1][:1], out[-1][:-1]])  # row j reads the previous depth's guess at j - 1
+        allowed = torch.zeros(n, k * n, dtype=torch.bool, device=feats.device)
+        allowed[:, :n] = pos[None, :] <= pos[:, None] - k + 1  # the true pairs
+        chain = pos >= k - 1
+        for m in range(2, k):  # this chain's rows of the depths between
+            allowed[pos[chain], (m - 1) * n + pos[chain] - k + m] = True
+        allowed[pos, (k - 1) * n + pos] = True  # itself
+        out.append(heads.step(prev, tok, pos, cache, additive(allowed, heads.fc.weight.dtype)))
+    return out
+
+
+def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, embed=None,
+               teacher_logits: torch.Tensor | None = None, steps: int = 2, noise: float = 0.1,
+               reg_weight: float = 1.0, cls_weight: float = 0.1, decay: float = 0.8):
+    """EAGLE's loss on one sequence: hidden [T - 1, dim] the base's states f_0 .. f_{T-2}, ids [T].
+
+    At every depth k = 1 .. ``steps`` (:func:`eagle_guesses`) the guess at position j is scored against the
+    next feature f_{j+1} by a smooth-L1 regression (weight ``reg_weight``) and its token distribution
+    against the base's own distribution for x_{j+2} (``teacher_logits``; without them, against the token)
+    by a cross-entropy (weight ``cls_weight``), as EAGLE trains; depth k weighs ``decay``^(k-1). Depth 1
+    reads the true features (EAGLE-1); the deeper ones read the head's own guesses, as drafting does (as
+    HASS and EAGLE-3 train), so that deeper drafts do not drift. Under autograd the true features get
+    uniform noise of ``noise`` times their standard deviation (EAGLE's). Only targets inside the answer
+    count. Returns (loss, per-depth dicts of top-1 / top-5 hits against x_{j+2} and the number of
+    targets), like :func:`heads_loss`."""
+    n = ids.numel() - 2  # pairs j = 0 .. T - 3 have a target
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = [{"n": 0, "top1": 0, "top5": 0} for _ in range(steps)]
+    if n < 1:
+        return total, stats
+    feats = hidden[:n].float()
+    if noise and torch.is_grad_enabled():
+        feats = feats + (torch.rand_like(feats) * 2 - 1) * (noise * feats.std())
+    guesses = eagle_guesses(heads, feats, embed(ids[1:n + 1]).float(), steps)  # pairs (f_j, e(x_{j+1}))
+    target_feat = hidden[1:n + 1].float()  # f_{j+1}
+    target = ids[2:n + 2]  # x_{j+2}
+    subset = getattr(heads, "subset", None)
+    if subset is not None:
+        index = torch.full((heads.vocab,), -100, dtype=torch.long, device=target.device)
+        index[subset] = torch.arange(subset.numel(), device=target.device)
+        target = index[target]
+    teacher = None
+    if teacher_logits is not None:
+        teacher = teacher_logits[1:n + 1].float()
+        if subset is not None and teacher.shape[-1] != subset.numel():
+            teacher = teacher[:, subset]
+        teacher = teacher.softmax(-1)
+    pos = torch.arange(n, device=ids.device)
+    for k, y in enumerate(guesses, start=1):
+        valid = (pos + 2 >= prompt_len) & (pos >= k - 1)
+        if not valid.any():
+            continue
+        yv = y[valid].float()
+        logits = heads.logits(k - 1, yv).float()
+        tv = target[valid]
+        reg = F.smooth_l1_loss(yv, target_feat[valid])
+        if teacher is not None:
+            cls = -(teacher[valid] * logits.log_softmax(-1)).sum(-1).mean()
+        else:
+            cls = F.cross_entropy(logits, tv, ignore_index=-100) if (tv >= 0).any() else logits.sum() * 0
+        total = total + decay ** (k - 1) * (reg_weight * reg + cls_weight * cls)
+        with torch.no_grad():
+            top5 = logits.topk(min(5, logits.shape[-1]), -1).indices
+            stats[k - 1] = {"n": int(valid.sum()), "top1": int((top5[:, 0] == tv).sum()),
+                            "top5": int((top5 == tv[:, None]).any(-1).sum())}
     return total, stats

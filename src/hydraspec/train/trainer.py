@@ -42,6 +42,9 @@ def teacher_logits(model, hidden: torch.Tensor, subset: torch.Tensor | None = No
 
 def _project(model, hidden: torch.Tensor, subset: torch.Tensor | None = None) -> torch.Tensor:
     head = model.get_output_embeddings()
+    if hasattr(head, "select"):  # a GGUF lm_head (hydraspec.cpu.gguf): its own kernel, on the rows asked for
+        logits = (head if subset is None else head.select(subset))(hidden.to(torch.bfloat16)).float()
+        return _softcap(model, logits)
     h = hidden.to(head.weight.dtype)
     if subset is None:
         logits = head(h).float()
@@ -49,10 +52,12 @@ def _project(model, hidden: torch.Tensor, subset: torch.Tensor | None = None) ->
         logits = torch.nn.functional.linear(h, head.weight[subset]).float()
         if getattr(head, "bias", None) is not None:
             logits += head.bias[subset].float()
+    return _softcap(model, logits)
+
+
+def _softcap(model, logits: torch.Tensor) -> torch.Tensor:
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def lr_factor(step: int, total: int, warmup: float = 0.03, floor: float = 0.1) -> float:
@@ -195,15 +200,18 @@ def choose_draft_vocab(rows, size: int, model) -> tuple[list[int], float]:
     return keep, covered / max(1, total)
 
 
-def _eval_counts(heads, model, rows, base: BaseOutputs) -> torch.Tensor:
-    """Per head [n, top-1 hits, top-5 hits] over `rows`: [num_heads, 3] (float64, so processes can sum them)."""
+def _eval_counts(heads, model, rows, base: BaseOutputs, eagle: dict | None = None) -> torch.Tensor:
+    """Per head (an EAGLE head: per draft depth) [n, top-1 hits, top-5 hits] over `rows`: [heads, 3] (float64,
+    so processes can sum them)."""
     embed = model.get_input_embeddings()
-    totals = torch.zeros(heads.num_heads, 3, dtype=torch.float64)
+    steps = (eagle or {}).get("steps", 2) if heads.kind == "eagle" else heads.num_heads
+    totals = torch.zeros(steps, 3, dtype=torch.float64)
     with torch.no_grad():
         for r in rows:
             ids = base.ids(r)
             hidden = base.hidden(r, ids)
-            _, st = heads_loss(heads, heads.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed)
+            _, st = heads_loss(heads, heads.prefixed(hidden.float()), ids, len(r["prompt_ids"]), embed=embed,
+                               eagle=eagle)
             totals += torch.tensor([[s["n"], s["top1"], s["top5"]] for s in st], dtype=torch.float64)
     return totals
 
@@ -213,9 +221,11 @@ def _accuracy(totals: torch.Tensor) -> list[dict]:
             for k, (n, t1, t5) in enumerate(totals.tolist())]
 
 
-def evaluate(heads, model, rows, base: BaseOutputs | None = None, max_len: int = 1024) -> list[dict]:
-    """Held-out top-1 / top-5 accuracy of each head over `rows` (against the real answer tokens)."""
-    return _accuracy(_eval_counts(heads, model, rows, base or BaseOutputs(model, max_len=max_len)))
+def evaluate(heads, model, rows, base: BaseOutputs | None = None, max_len: int = 1024,
+             eagle: dict | None = None) -> list[dict]:
+    """Held-out top-1 / top-5 accuracy of each head (an EAGLE head: each draft depth) over `rows` (against
+    the real answer tokens)."""
+    return _accuracy(_eval_counts(heads, model, rows, base or BaseOutputs(model, max_len=max_len), eagle))
 
 
 class _Sync:
@@ -298,7 +308,8 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
                 heldout: float = 0.1, max_len: int = 1024, seed: int = 0, progress: bool = True,
                 prefix_layer: bool = False, extra_config: dict | None = None, draft_vocab: int | None = None,
                 cache_bytes: int = 4 << 30, joint: bool = False, warmup_epochs: int = 1, lm_weight: float = 0.01,
-                base_lr: float | None = None, train_dtype: str = "auto", accum: int = 1) -> dict:
+                base_lr: float | None = None, train_dtype: str = "auto", accum: int = 1,
+                head_options: dict | None = None, eagle: dict | None = None) -> dict:
     """Train draft heads on the answers in `data_path` and save them (and the training log) in `out_dir`.
 
     joint=True is Medusa-2: the heads train alone for `warmup_epochs`, then the base model's decoder
@@ -317,7 +328,8 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     gradients summed, each sequence's loss weighted 1 / accum; the last step of an epoch may have fewer,
     weighted 1 / their number): an AdamW step over the heads' parameters costs about as much as a
     sequence's forward and backward on a CPU. The heads start from `seed` (and so does the order of the
-    sequences in each epoch).
+    sequences in each epoch). head_options: what the kind takes beyond the common sizes (EAGLE:
+    intermediate_size); eagle: the options of an EAGLE head's loss (train.losses.eagle_loss).
 
     Under `accelerate launch` with P processes (e.g. ``accelerate launch --multi_gpu --num_processes 2
     -m hydraspec.cli train-heads --device cpu ...``, gloo on the CPU), every process shuffles the sequences
@@ -347,7 +359,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     with torch.random.fork_rng(devices=[model.device.index or 0] if model.device.type == "cuda" else []):
         torch.manual_seed(seed)  # the same fresh heads in every process (and every run)
         heads = build_heads(kind, model, num_heads=num_heads, num_layers=num_layers, prefix_layer=prefix_layer,
-                            vocab_subset=subset).float()
+                            vocab_subset=subset, **(head_options or {})).float()
     sync.broadcast(heads.state_dict().values())
     tuned: dict[str, torch.nn.Parameter] = {}
     if joint:
@@ -428,7 +440,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
                     kl = F.kl_div(cur.log_softmax(-1), orig.log_softmax(-1), log_target=True, reduction="batchmean")
                 with torch.autocast(model.device.type, dtype=amp, enabled=amp is not None):
                     loss, _ = heads_loss(heads, heads.prefixed(hidden.float()), ids, len(r["prompt_ids"]),
-                                         embed=embed, teacher_logits=teacher)
+                                         embed=embed, teacher_logits=teacher, eagle=eagle)
                 if kl is not None:
                     loss = loss + lm_weight * kl
                     stats[1] += float(kl.detach())
@@ -446,7 +458,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
             bar.set_postfix(loss=f"{running:.3f}")
         bar.close()
         counts = _eval_counts(heads, model, test[sync.rank::sync.n],
-                              BaseOutputs(model, max_len=max_len) if both else base) if test else None
+                              BaseOutputs(model, max_len=max_len) if both else base, eagle) if test else None
         metrics = _accuracy(sync.sum(counts)) if test else []
         cache = sync.sum(torch.tensor([base.hits, base.misses, base.used - cache_start], dtype=torch.float64))
         if main:

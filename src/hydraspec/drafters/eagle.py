@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import torch
+
+from ..errors import HydraspecError
+from ..sampling import sample_without_replacement
+from ..tree import DraftTree, parents_from_paths, shape_of
+from .base import DecodeState, Drafter
+from .heads import prefix_closed, reindex
+
+
+class EagleDrafter(Drafter):
+    """Drafting with an EAGLE head (Li et al. 2024; heads.eagle): a static token tree filled depth by depth.
+
+    Each step the head's layer first reads the pairs (f_i, e(x_{i+1})) the target committed since the last
+    step (its features and the tokens they chose, the pending token last) into its own KV cache; its
+    output at the last pair gives the first depth. Deeper, each node that has children is fed as the pair
+    (guessed feature of its parent, its own token) under a tree mask (the committed pairs and its own
+    ancestors), and its output gives its children. Those tree entries are dropped from the head's cache
+    once the tree is made. Greedy mode puts the rank-r token at a rank-r node; sampling draws each node's
+    children without replacement from the head's warped distribution and reports it as q, so acceptance
+    stays lossless. The output is the target's whatever the head drafts.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, heads, embed: torch.nn.Module, paths):
+        self.heads, self.embed = heads, embed
+        self.name = heads.kind
+        if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
+            from ..tree import load_tree_spec
+
+            paths = load_tree_spec(paths)
+        parents, ranks = parents_from_paths(paths)
+        shape = shape_of(parents)
+        if int(shape.depth.max()) + 1 > heads.num_heads:
+            raise HydraspecError(f"tree depth {int(shape.depth.max()) + 1} exceeds the head's draft depth "
+                                 f"({heads.num_heads})")
+        self.parents, self.ranks, self.shape = parents, ranks, shape
+        self.max_nodes = len(parents)
+        self.expand = [i for i in range(len(parents)) if shape.children[i]]  # nodes fed to the head (BFS order)
+        self._cache, self._fed, self._seen, self._root = None, 0, None, None
+
+    def start(self, state: DecodeState, capacity: int) -> None:
+        from ..heads.eagle import new_cache
+
+        self._cache, self._fed, self._seen, self._root = new_cache(), 0, None, None
+
+    def _commit(self, state: DecodeState) -> torch.Tensor | None:
+        """Feed the head the pairs committed since the last call; returns its output at the last one."""
+        new = state.new_hidden
+        if new is None or new is self._seen:
+            return self._root
+        if self._cache is None:
+            self.start(state, 0)
+        end = len(state.tokens) - 1  # committed positions [0, end); tokens[end] is the pending token
+        first = max(end - new.shape[0], self._fed)  # a step that drafted nothing leaves a gap: skipped
+        if first < end:
+            feats = new[new.shape[0] - (end - first):]
+            toks = torch.tensor(state.tokens[first + 1:end + 1], device=feats.device)
+            pos = torch.arange(first, end, device=feats.device)
+            out = self.heads.step(feats, self.embed(toks), pos, self._cache)
+            self._root, self._fed = out[-1], end
+        self._seen = new
+        return self._root
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        root = self._commit(state)
+        if root is None:
+            return DraftTree.empty()
+        heads, parents, n = self.heads, self.parents, len(self.parents)
+        greedy = state.sampling.greedy
+        to_ids = heads.token_ids
+        end = len(state.tokens) - 1
+        cached = self._cache.get_seq_length()
+        tokens = [0] * n
+        qrows: list[torch.Tensor | None] = [None] * n
+        feats = {-1: root}  # a node's guessed feature (the one its children are drafted from)
+        slot: dict[int, int] = {}  # a fed node's entry in the head's cache, after the committed ones
+
+        def fill(logits: torch.Tensor, nodes_by_parent: list[tuple[int, list[int]]]) -> None:
+            """Children of each parent from its row of ``logits`` [P, out_vocab]."""
+            if greedy:
+                need = max(self.ranks[c] for _, kids in nodes_by_parent for c in kids) + 1
+                top = to_ids(torch.topk(logits.float(), need, dim=-1).indices).tolist()
+                for row, (_, kids) in enumerate(nodes_by_parent):
+                    for c in kids:
+                        tokens[c] = top[row][self.ranks[c]]
+                return
+            for row, (_, kids) in enumerate(nodes_by_parent):
+                probs = heads.full_probs(state.sampling.probs(logits[row].float()))
+                for c, x in zip(kids, sample_without_replacement(probs, len(kids), state.generator).tolist()):
+                    tokens[c], qrows[c] = x, probs
+
+        roots = [i for i in range(n) if parents[i] < 0]
+        fill(heads.logits(0, root[None]), [(-1, roots)])
+        depth = self.shape.depth
+        levels: dict[int, list[int]] = {}
+        for i in self.expand:
+            levels.setdefault(int(depth[i]), []).append(i)
+        try:
+            for d in sorted(levels):
+                nodes = [i for i in levels[d] if qrows[i] is not None or greedy]
+                if not nodes:
+                    continue
+                base = cached + len(slot)
+                allowed = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
+                allowed[:, :cached] = True
+                for r, i in enumerate(nodes):
+                    for a in self.shape.path_to(i)[:-1]:
+                        allowed[r, slot[a]] = True
+                    allowed[r, base + r] = True
+                from ..heads.eagle import additive
+
+                dev = root.device
+                mask = additive(allowed.to(dev), heads.fc.weight.dtype)
+                f = torch.stack([feats[parents[i]] for i in nodes])
+                e = self.embed(torch.tensor([tokens[i] for i in nodes], device=dev))
+                pos = torch.full((len(nodes),), end + d, dtype=torch.long, device=dev)
+                out = heads.step(f, e, pos, self._cache, mask)
+                for r, i in enumerate(nodes):
+                    feats[i], slot[i] = out[r], base + r
+                fill(heads.logits(d + 1, out), [(i, list(self.shape.children[i])) for i in nodes])
+        finally:
+            extra = self._cache.get_seq_length() - cached
+            if extra:
+                self._cache.crop(-extra)  # the tree's entries go; the committed pairs stay
+        if greedy:
+            return DraftTree(torch.tensor(tokens), parents)
+        drawn = [i for i in range(n) if qrows[i] is not None]
+        if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
+            keep = prefix_closed(parents, set(drawn))
+            return DraftTree(torch.tensor([tokens[i] for i in keep]), reindex(parents, keep),
+                             torch.stack([qrows[i] for i in keep]) if keep else None)
+        return DraftTree(torch.tensor(tokens), parents, torch.stack(qrows))

@@ -1,0 +1,161 @@
+"""EAGLE heads: the drafter's cached, tree-masked forwards equal the head run afresh on each draft's own
+sequence; training's guesses at depth k equal what drafting at depth k computes; drafting is exact;
+checkpoints round-trip; training lowers the loss."""
+import pytest
+import torch
+
+import tiny
+from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
+from hydraspec.drafters.base import DecodeState
+from hydraspec.drafters.eagle import EagleDrafter
+from hydraspec.heads import build_heads, load_heads, save_heads
+from hydraspec.sampling import Sampling
+from hydraspec.train.losses import eagle_guesses
+
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+
+
+def _head(model, **kw):
+    heads = build_heads("eagle", model, num_heads=4, **kw)
+    with torch.no_grad():  # larger weights than the default init: guesses that differ from row to row
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return heads.eval()
+
+
+@torch.no_grad()
+def _features(model, ids):
+    out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1][0], out.logits[0]
+
+
+@torch.no_grad()
+def _fresh(heads, embed, feats, toks):
+    """The head's guess at the last of the pairs (feats[j], e(toks[j])), run afresh with a causal mask."""
+    return heads.step(torch.stack(feats), embed(torch.tensor(toks)), torch.arange(len(toks)))[-1]
+
+
+@torch.no_grad()
+def _reference_tree(heads, embed, feats, toks, paths):
+    """Each node's token from the head run afresh on committed pairs + the node's own path: rank r of the
+    parent's guess (a slow, obviously right drafter)."""
+    out = {}
+    for path in sorted(paths, key=len):
+        f, t = list(feats), list(toks)
+        y = _fresh(heads, embed, f, t)
+        for i in range(1, len(path)):  # walk down: each drafted token becomes a pair with its parent's guess
+            f.append(y)
+            t.append(out[tuple(path[:i])])
+            y = _fresh(heads, embed, f, t)
+        order = heads.token_ids(heads.logits(0, y[None])[0].topk(path[-1] + 1).indices)
+        out[tuple(path)] = int(order[path[-1]])
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_drafted_tree_equals_fresh_runs_of_each_path(family):
+    model = tiny.cached_model(family, "sdpa", 1)
+    embed = model.get_input_embeddings()
+    heads = _head(model, intermediate_size=40)
+    drafter = EagleDrafter(heads, embed, TREE)
+    seq = [5, 9, 2, 7, 7, 1, 3]
+    hidden, _ = _features(model, seq)
+    # step 1: the prompt seq[:5] committed, seq[5] pending; step 2: two more tokens committed
+    state = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4])
+    drafter.start(state, 64)
+    for end in (5, 7):
+        if end == 7:
+            state.tokens, state.new_hidden, state.hidden = seq + [4], hidden[5:7], hidden[6]
+        tree = drafter.propose(state)
+        ref = _reference_tree(heads, embed, list(hidden[:end]), state.tokens[1:end + 1], TREE)
+        from hydraspec.tree import parents_from_paths
+
+        parents, _ = parents_from_paths(TREE)
+        assert tree.parents == parents
+        got = {}
+        for i, path in enumerate(TREE):
+            got[tuple(path)] = int(tree.tokens[i])
+        assert got == ref
+        assert drafter._cache.get_seq_length() == end  # the tree's entries were dropped
+    assert len(set(got.values())) > 2  # the head guesses different tokens at different nodes
+
+
+def test_training_guesses_equal_drafting_at_each_depth():
+    model = tiny.cached_model("llama", "sdpa", 1)
+    embed = model.get_input_embeddings()
+    heads = _head(model)
+    ids = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6]
+    hidden, _ = _features(model, ids)
+    n = len(ids) - 2
+    with torch.no_grad():
+        guesses = eagle_guesses(heads, hidden[:n], embed(torch.tensor(ids[1:n + 1])), 3)
+        for k, g in enumerate(guesses, start=1):
+            for j in range(k - 1, n):
+                c = j - k + 1  # the draft committed up to pair c, teacher-forced tokens after it
+                f, t = list(hidden[:c + 1]), ids[1:c + 2]
+                y = _fresh(heads, embed, f, t)
+                for m in range(2, k + 1):
+                    f.append(y)
+                    t.append(ids[c + m])
+                    y = _fresh(heads, embed, f, t)
+                torch.testing.assert_close(g[j], y, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "pld+eagle"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_eagle_drafting_is_exact(method, family, tok):
+    model = tiny.cached_model(family, "sdpa", 1)
+    heads = _head(model)
+    for prompt in ([5, 9, 2, 7, 7, 1, 5, 9], [3]):
+        ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=24)
+        drafter = make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=TREE)
+        res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=24)
+        assert res.token_ids == ref.token_ids
+
+
+def test_eagle_checkpoint_round_trip_and_refusals(tmp_path):
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = _head(model, intermediate_size=24)
+    save_heads(heads, tmp_path / "e", base_model="tiny-llama", tree=TREE)
+    loaded, cfg = load_heads(tmp_path / "e", model)
+    assert cfg["kind"] == "eagle" and cfg["intermediate_size"] == 24
+    assert loaded.layers[0].mlp.gate_proj.out_features == 24
+    f, e = torch.randn(5, model.config.hidden_size), torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.step(f, e, torch.arange(5)), heads.step(f, e, torch.arange(5)))
+    with pytest.raises(HydraspecError, match="exceeds the head's draft depth"):
+        make_drafter("eagle", heads=loaded, embed=model.get_input_embeddings(), tree=[[0], [0, 0], [0, 0, 0],
+                                                                                       [0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    with pytest.raises(HydraspecError, match="not 'dynamic'"):
+        make_drafter("eagle", heads=loaded, embed=model.get_input_embeddings(), tree="dynamic")
+    with pytest.raises(HydraspecError, match="holds eagle heads, not hydra heads"):
+        make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings())
+
+
+def test_eagle_training_lowers_the_loss(tmp_path, tok):
+    """A few epochs on the model's own answers: the loss falls and the first depth guesses better than
+    a fresh head on held-in data."""
+    import json
+
+    from hydraspec.train import train_heads
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    gen = SpeculativeGenerator(model, tok)
+    rows = []
+    for i in range(12):
+        prompt = [(3 * i + k) % 90 + 1 for k in range(6)]
+        rows.append({"id": f"t-{i}", "prompt_ids": prompt,
+                     "answer_ids": gen.generate(input_ids=prompt, max_new_tokens=24).token_ids})
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train_heads(model, data, tmp_path / "out", kind="eagle", num_heads=3, epochs=12, lr=1e-2, distill=True,
+                heldout=0.0, progress=False, head_options={"intermediate_size": 64}, eagle={"steps": 2},
+                cache_bytes=0)
+    log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["mean_loss"] < 0.7 * log[0]["mean_loss"]
+    heads, cfg = load_heads(tmp_path / "out", model)
+    assert cfg["kind"] == "eagle" and cfg["intermediate_size"] == 64
+    drafter = make_drafter("eagle", heads=heads, embed=model.get_input_embeddings(), tree=[[0], [0, 0]])
+    res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=rows[0]["prompt_ids"], max_new_tokens=24)
+    assert res.token_ids == rows[0]["answer_ids"]
+    assert res.stats.mean_accepted > 1.3  # trained on this very answer: most drafts are right
