@@ -159,3 +159,44 @@ def test_eagle_training_lowers_the_loss(tmp_path, tok):
     res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=rows[0]["prompt_ids"], max_new_tokens=24)
     assert res.token_ids == rows[0]["answer_ids"]
     assert res.stats.mean_accepted > 1.3  # trained on this very answer: most drafts are right
+
+
+def test_min_prob_leaves_out_unlikely_nodes_and_stays_exact(tok):
+    """With min_prob, the drafted tree is the full tree's nodes whose path probability under the head (the
+    product of its softmax probabilities along the path) reaches the bound, with the same tokens; decoding
+    with it is still exact."""
+    from hydraspec.tree import parents_from_paths
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    embed = model.get_input_embeddings()
+    heads = _head(model)
+    seq = [5, 9, 2, 7, 7, 1, 3]
+    hidden, _ = _features(model, seq)
+    state = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4])
+    full = EagleDrafter(heads, embed, TREE)
+    full.start(state, 64)
+    tree = full.propose(state)
+    parents, _ = parents_from_paths(TREE)
+    # path probabilities from fresh runs of the head along each path
+    probs = {}
+    for path in sorted(TREE, key=len):
+        f, t = list(hidden[:5]), state.tokens[1:6]
+        for i in range(len(path) - 1):
+            f.append(_fresh(heads, embed, f, t))
+            t.append(int(tree.tokens[TREE.index(path[:i + 1])]))
+        p = heads.logits(0, _fresh(heads, embed, f, t)[None])[0].float().softmax(-1)
+        token = int(tree.tokens[TREE.index(path)])
+        probs[tuple(path)] = probs.get(tuple(path[:-1]), 1.0) * float(p[heads.token_ids(torch.arange(p.numel())) == token])
+    bound = sorted(probs.values())[len(probs) // 2]
+    pruned = EagleDrafter(heads, embed, TREE, min_prob=bound)
+    pruned.start(state, 64)
+    small = pruned.propose(state)
+    keep = [i for i, path in enumerate(TREE) if all(probs[tuple(path[:j])] >= bound for j in range(1, len(path) + 1))]
+    assert 0 < len(keep) < len(TREE)
+    assert small.tokens.tolist() == [int(tree.tokens[i]) for i in keep]
+    assert all((p < 0 and parents[i] < 0) or keep[p] == parents[i] for i, p in zip(keep, small.parents))
+    for prompt in ([5, 9, 2, 7, 7, 1, 5, 9], [3]):
+        ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=24)
+        drafter = make_drafter("eagle", heads=heads, embed=embed, tree=TREE, min_prob=bound)
+        assert SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=24).token_ids == \
+            ref.token_ids

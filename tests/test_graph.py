@@ -70,7 +70,8 @@ def test_compiled_steps_give_the_eager_logits_bit_for_bit(pair):
 @torch.inference_mode()  # as the engine runs the model: the graphs compiled at load apply
 def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair, monkeypatch):
     """Forwards of several new tokens (a chain without a mask, a tree under its mask, 2 to MAX_ROWS rows) run
-    compiled and give the eager model's logits exactly; a longer forward runs eagerly."""
+    compiled and give the eager model's logits exactly (and, asked for, its last hidden state); a longer forward
+    runs eagerly."""
     from hydraspec.cache import new_cache, set_length
     from hydraspec.cpu import graph
     from hydraspec.cpu.graph import MAX_ROWS
@@ -101,10 +102,13 @@ def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair, monkey
         else:  # a chain, under the model's own causal mask
             anc, depth = None, torch.arange(n)
         out = []
+        want = n == 5  # draft heads ask for the last hidden state too: the graph that returns it
         for m, c in zip((eager, compiled), caches):
             set_length(c, L)
-            out.append(forward_nodes(m, c, ids, L + depth, anc, L)[0])
-        assert torch.equal(out[0], out[1]), n
+            out.append(forward_nodes(m, c, ids, L + depth, anc, L, want_hidden=want))
+        assert torch.equal(out[0][0], out[1][0]), n
+        if want:
+            assert torch.equal(out[0][1], out[1][1])
     assert rows_run == [2, 5, 3, MAX_ROWS, 7]  # every one of them ran compiled (the prefill did not)
 
 

@@ -46,7 +46,10 @@ def add_method_args(p) -> None:
     p.add_argument("--draft-leaves", type=int, default=None, metavar="N",
                    help="greedy draft chain: hang up to N of the draft model's runner-up tokens on the chain as "
                         "extra leaves (one verify row each, no draft forward; default 0)")
-    p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra)")
+    p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra, hydra++, eagle)")
+    p.add_argument("--min-prob", type=float, default=None, metavar="P",
+                   help="eagle, greedy: leave out tree nodes whose path probability under the head is below P "
+                        "(default: the heads' own, from their config.json, else 0 = the whole tree)")
     p.add_argument("--tree", help="token tree for medusa/hydra/draft: a tree.json from `hydraspec build-tree`, a "
                                   "JSON list of rank paths, or 'dynamic' (--tree-nodes, --tree-depth, --tree-topk)")
     p.add_argument("--tree-nodes", type=int, default=32, help="dynamic tree: nodes kept per step (default 32)")
@@ -89,6 +92,8 @@ def build_drafter(args, target_tok, draft=None, model=None):
             return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), **dynamic_options(args),
                                 **lookup)
         tree = load_tree_spec(args.tree, max_depth=heads.num_heads) if args.tree else cfg.get("default_tree")
+        if heads.kind == "eagle":
+            lookup["min_prob"] = args.min_prob if args.min_prob is not None else cfg.get("min_prob")
         return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=tree, **lookup)
     if method == "pld":
         return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram,
@@ -175,7 +180,8 @@ def cmd_generate_batch(args) -> int:
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method in DRAFT_METHODS else None
-    compile_models(model, draft[0] if draft else None, how=args.compile)
+    compile_models(model, draft[0] if draft else None, how=args.compile,
+                   hidden=args.method.removeprefix("pld+") in HEAD_METHODS)
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))
@@ -237,7 +243,8 @@ def cmd_generate(args) -> int:
     draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
         if args.method in DRAFT_METHODS else None
-    compile_models(model, draft[0] if draft else None, how=args.compile)
+    compile_models(model, draft[0] if draft else None, how=args.compile,
+                   hidden=args.method.removeprefix("pld+") in HEAD_METHODS)
     drafter = build_drafter(args, tok, draft, model)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     streamer = None
@@ -284,11 +291,11 @@ def cmd_train_heads(args) -> int:
         raise HydraspecError("--epochs, --num-heads and --num-layers must be at least 1")
     if args.cache_gb < 0:
         raise HydraspecError("--cache-gb must be 0 or more")
-    reuse = not args.prompts and not args.docstring_prompts  # train on an existing answers file as it is
+    reuse = not args.prompts and not args.docstring_prompts and not args.self_prompts  # the answers file as it is
     text_only = reuse and bool(args.text) and not (args.data and os.path.exists(args.data))
     if reuse and not text_only and not (args.data and os.path.exists(args.data)):
-        raise HydraspecError("give --prompts FILE... and/or --docstring-prompts N, or --text PATH... (or --data "
-                             "with an existing answers file to train on as it is)")
+        raise HydraspecError("give --prompts FILE..., --self-prompts N and/or --docstring-prompts N, or --text PATH... "
+                             "(or --data with an existing answers file to train on as it is)")
     if args.text_tokens < 512:
         raise HydraspecError("--text-tokens must be at least 512")
     if reuse and args.data_only:
@@ -315,13 +322,21 @@ def cmd_train_heads(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant, progress=is_main)
     out = args.out
     data = args.data or os.path.join(out, "answers.jsonl")
+    if args.self_prompts and is_main:  # prompts the model (or a smaller one with its tokenizer) writes itself
+        from .train.selfprompts import self_prompts
+
+        writer, wtok = (model, tok) if not args.self_prompts_model else \
+            load_model(args.self_prompts_model, dtype=args.dtype, device=args.device, progress=True)
+        pairs += self_prompts(writer, wtok, args.self_prompts, os.path.join(out, "self_prompts.jsonl"),
+                              batch_size=args.batch_size)
+        del writer, wtok
     if is_main and text_only:
         print("self-distillation data: none (text only)", file=sys.stderr)
     elif is_main and reuse:
         print(f"self-distillation data: the answers already in {data} (no new prompts)", file=sys.stderr)
     elif is_main:
         print(f"self-distillation data: {len(questions)} prompts from {', '.join(args.prompts or ['-'])}"
-              f" + {len(pairs) - len(questions)} docstring prompts -> {data}", file=sys.stderr)
+              f" + {len(pairs) - len(questions)} self-written and docstring prompts -> {data}", file=sys.stderr)
     if args.batch_size < 1:
         raise HydraspecError("--batch-size must be at least 1")
     t0 = time.perf_counter()
@@ -380,7 +395,8 @@ def cmd_train_heads(args) -> int:
     else:
         used = {"train_prompts": {"files": [os.path.basename(p) for p in args.prompts or []],
                                   "skip_per_category": args.skip, "limit_per_category": args.limit,
-                                  "questions": len(questions), "docstring_prompts": len(pairs) - len(questions)},
+                                  "questions": len(questions), "self_prompts": args.self_prompts,
+                                  "docstring_prompts": args.docstring_prompts},
                 "variant": args.kind}
     if args.text and not text_only:
         used["train_text"] = text_used
@@ -478,7 +494,7 @@ def cmd_serve(args) -> int:
     import torch
 
     from .batch import BatchGenerator
-    from .drafters import DRAFT_METHODS, METHODS
+    from .drafters import DRAFT_METHODS, HEAD_METHODS, METHODS
     from .models import compile_models, load_draft_model, load_model
 
     if args.method not in METHODS:
@@ -492,7 +508,8 @@ def cmd_serve(args) -> int:
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                              vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in DRAFT_METHODS else None
-    compile_models(model, draft[0] if draft else None, how=args.compile)
+    compile_models(model, draft[0] if draft else None, how=args.compile,
+                   hidden=args.method.removeprefix("pld+") in HEAD_METHODS)
     drafter = build_drafter(args, tok, draft, model)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
@@ -552,6 +569,11 @@ def make_parser() -> argparse.ArgumentParser:
                                    "(point several trainings at one file to generate the answers once)")
     t.add_argument("--docstring-prompts", type=int, default=0, metavar="N",
                    help="also N 'complete this function' prompts made from installed Python modules (code models)")
+    t.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="also N chat prompts the model writes itself (Magpie: sampled user turns after openers "
+                        "such as 'Explain', 'Write a short story'), kept in OUT/self_prompts.jsonl")
+    t.add_argument("--self-prompts-model", metavar="NAME",
+                   help="a smaller model with the same tokenizer writes the --self-prompts instead (faster)")
     t.add_argument("--text", nargs="+", metavar="PATH",
                    help="also (or only) distil on text the base reads at prefill speed: files, or directories "
                         "walked for .py .md .rst .txt (e.g. the standard library's source); the base model's own "

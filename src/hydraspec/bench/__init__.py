@@ -33,10 +33,13 @@ def add_parser(subparsers):
     p.add_argument("--model", required=True, help="target model (offline name, HF directory, .gguf file or hub id)")
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (methods draft, hf-assisted)")
     p.add_argument("--heads", metavar="DIR", nargs="+",
-                   help="trained heads directories (methods medusa, hydra, hydra++); several may be given, each "
+                   help="trained heads directories (methods medusa, hydra, hydra++, eagle); several may be given, each "
                         "method takes the one of its kind (hydra++ = Hydra heads with a prefix layer)")
     p.add_argument("--tree", help="token tree for medusa/hydra/draft: tree.json (hydraspec build-tree), JSON list of "
                                   "rank paths, or 'dynamic' (default: the heads' own default tree; a chain for draft)")
+    p.add_argument("--min-prob", type=float, default=None, metavar="P",
+                   help="eagle, greedy: leave out tree nodes whose path probability under the head is below P "
+                        "(default: the heads' own, else 0)")
     p.add_argument("--tree-nodes", type=int, default=32, help="dynamic tree: nodes kept per step (default 32)")
     p.add_argument("--tree-depth", type=int, help="dynamic tree: depth (default: number of heads; 6 for draft)")
     p.add_argument("--tree-topk", type=int, default=8, help="dynamic tree: expanded nodes / children (default 8)")

@@ -264,6 +264,9 @@ def _heads(method: str):
         if method.startswith("pld+"):
             kind = method
             opts["pld_tokens"] = ctx.args.pld_tokens
+        if heads.kind == "eagle":
+            given = getattr(ctx.args, "min_prob", None)
+            opts["min_prob"] = given if given is not None else cfg.get("min_prob")
         drafter = make_drafter(kind, heads=heads, embed=ctx.model.get_input_embeddings(), **opts)
         return EngineRunner(ctx, drafter)
 
@@ -355,7 +358,7 @@ register(MethodSpec("hydra++", _heads("hydra++"), "hydraspec with Hydra++ heads:
                     needs_heads=True, settings=("heads", "tree", "tree_nodes", "tree_depth", "tree_topk")))
 register(MethodSpec("eagle", _heads("eagle"), "hydraspec with an EAGLE head: one layer drafting on the target's "
                                               "features (--heads, --tree)",
-                    needs_heads=True, settings=("heads", "tree")))
+                    needs_heads=True, settings=("heads", "tree", "min_prob")))
 for _m in ("medusa", "hydra", "hydra++", "eagle"):
     register(MethodSpec(f"pld+{_m}", _heads(f"pld+{_m}"),
                         f"hydraspec with prompt lookup merged into the {_m} heads' tree (--heads, --pld-tokens)",

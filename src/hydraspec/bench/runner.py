@@ -74,7 +74,8 @@ def run_bench(args, loader=None) -> int:
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                                      loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
         # compiled once both are loaded (peak memory: models.compile_models)
-        compile_models(model, draft[0] if draft else None, how=getattr(args, "compile", False))
+        compile_models(model, draft[0] if draft else None, how=getattr(args, "compile", False),
+                       hidden=any(METHODS[m].needs_heads for m in working))
         from ..generator import SpeculativeGenerator
         from ..inputs import eos_ids
 

@@ -14,7 +14,9 @@ Forwards of at most :data:`MAX_ROWS` new tokens are compiled: one-token steps (p
 model's chain) and verify forwards (a chain or tree of drafts, a draft model catching up on accepted
 tokens). Longer forwards and any forward from an empty cache (prefill) stay eager. A call without a mask
 gets the causal one it implies, so two graphs per model are compiled, one for a single row and one for
-several (30-70 s each on two cores, once per process).
+several (30-70 s each on two cores, once per process). Forwards that ask for the hidden states (for draft
+heads that read the target's last one) run a second pair of graphs that return the last hidden state
+with the logits.
 The operator library is compiled with the system C++ compiler against the installed torch on first use
 (into the hydraspec home); without a compiler, torch's headers or the native kernels, nothing is compiled
 and every step runs eagerly as before.
@@ -62,8 +64,7 @@ MAX_ROWS = 16
 def _step(kwargs) -> bool:
     ids = kwargs.get("input_ids")
     return (ids is not None and ids.dim() == 2 and ids.shape[0] == 1 and 1 <= ids.shape[1] <= MAX_ROWS
-            and not kwargs.get("output_hidden_states") and isinstance(kwargs.get("logits_to_keep", 0), int)
-            and kwargs.keys() <= _STEP_KEYWORDS)
+            and isinstance(kwargs.get("logits_to_keep", 0), int) and kwargs.keys() <= _STEP_KEYWORDS)
 
 
 def _causal_mask(n: int, past: int) -> torch.Tensor:
@@ -78,7 +79,9 @@ def _run(compiled, past: int, input_ids, past_key_values, position_ids=None, att
          output_hidden_states=False, logits_to_keep=0):
     """Call the compiled forward with its arguments in one form, so that every caller shares two graphs (one
     row, several rows): the implied causal mask and positions filled in, logits for every row (the last
-    kept afterwards where only they were asked for: a row's logits do not depend on the others)."""
+    kept afterwards where only they were asked for: a row's logits do not depend on the others).
+    ``compiled``: the pair (plain forward, forward returning (logits, last hidden state)); with
+    output_hidden_states the second runs and ``hidden_states`` holds the last hidden state only."""
     n = input_ids.shape[1]
     if attention_mask is None:
         attention_mask = _causal_mask(n, past)
@@ -86,10 +89,16 @@ def _run(compiled, past: int, input_ids, past_key_values, position_ids=None, att
         position_ids = torch.arange(past, past + n)[None]
     duck = fx_config.use_duck_shape  # off: sizes that happen to be equal (rows, heads) must not become one
     fx_config.use_duck_shape = False
+    kw = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+              past_key_values=past_key_values, use_cache=use_cache)
     try:
-        out = compiled(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                       past_key_values=past_key_values, use_cache=use_cache, output_hidden_states=False,
-                       logits_to_keep=0)
+        if output_hidden_states:
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            logits, hidden = compiled[1](**kw)
+            out = CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values, hidden_states=(hidden,))
+        else:
+            out = compiled[0](**kw, output_hidden_states=False, logits_to_keep=0)
     finally:
         fx_config.use_duck_shape = duck
     if 0 < logits_to_keep < n:
@@ -138,7 +147,11 @@ def compile_steps(model: torch.nn.Module) -> str | None:
                 return _eager(x, position_ids, *rest)
             m.forward = forward
     eager_forward = model.forward
-    compiled = torch.compile(eager_forward, dynamic=True)
+
+    def with_hidden(**kw):  # only the last hidden state leaves the graph (the others are never kept)
+        out = eager_forward(**kw, output_hidden_states=True, logits_to_keep=0)
+        return out.logits, out.hidden_states[-1]
+    compiled = (torch.compile(eager_forward, dynamic=True), torch.compile(with_hidden, dynamic=True))
 
     def forward(*args, **kwargs):
         if not args and _step(kwargs) and not torch.is_grad_enabled():

@@ -72,7 +72,8 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
                 raise HydraspecError("EAGLE heads draft static trees (--tree FILE or the heads' default), not 'dynamic'")
             from .eagle import EagleDrafter
 
-            return EagleDrafter(heads, embed, tree or default_tree(heads.num_heads))
+            return EagleDrafter(heads, embed, tree or default_tree(heads.num_heads),
+                                **{k: options[k] for k in ("min_prob",) if options.get(k) is not None})
         if parse_dynamic(tree):
             from .dynamic import DynamicHeadDrafter
 

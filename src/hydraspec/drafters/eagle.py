@@ -20,12 +20,20 @@ class EagleDrafter(Drafter):
     once the tree is made. Greedy mode puts the rank-r token at a rank-r node; sampling draws each node's
     children without replacement from the head's warped distribution and reports it as q, so acceptance
     stays lossless. The output is the target's whatever the head drafts.
+
+    ``min_prob`` (greedy only): a node whose path probability under the head (the product of the head's
+    probabilities of the tokens from the pending one down to it) falls below it is left out with everything
+    under it, and is not fed to the head: as in EAGLE-2, the head's confidence stands in for the chance that
+    the target accepts the node, so nodes unlikely to be accepted cost neither a draft forward nor a verify
+    row. (Sampling keeps the whole tree: leaving out drawn tokens by their value would bias what is drawn.)
     """
 
     needs_hidden = True
 
-    def __init__(self, heads, embed: torch.nn.Module, paths):
-        self.heads, self.embed = heads, embed
+    def __init__(self, heads, embed: torch.nn.Module, paths, min_prob: float = 0.0):
+        if not 0.0 <= min_prob < 1.0:
+            raise HydraspecError(f"min_prob must be in [0, 1), got {min_prob}")
+        self.heads, self.embed, self.min_prob = heads, embed, min_prob
         self.name = heads.kind
         if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
             from ..tree import load_tree_spec
@@ -76,6 +84,9 @@ class EagleDrafter(Drafter):
         cached = self._cache.get_seq_length()
         tokens = [0] * n
         qrows: list[torch.Tensor | None] = [None] * n
+        prune = greedy and self.min_prob > 0
+        path_p = [1.0] * n  # (pruning) each node's path probability under the head
+        alive = [not prune] * n  # (pruning) drafted and likely enough, as its ancestors
         feats = {-1: root}  # a node's guessed feature (the one its children are drafted from)
         slot: dict[int, int] = {}  # a fed node's entry in the head's cache, after the committed ones
 
@@ -83,10 +94,15 @@ class EagleDrafter(Drafter):
             """Children of each parent from its row of ``logits`` [P, out_vocab]."""
             if greedy:
                 need = max(self.ranks[c] for _, kids in nodes_by_parent for c in kids) + 1
-                top = to_ids(torch.topk(logits.float(), need, dim=-1).indices).tolist()
-                for row, (_, kids) in enumerate(nodes_by_parent):
+                top = torch.topk(logits.float(), need, dim=-1)
+                ids = to_ids(top.indices).tolist()
+                probs = (top.values - logits.float().logsumexp(-1, keepdim=True)).exp().tolist() if prune else None
+                for row, (p, kids) in enumerate(nodes_by_parent):
                     for c in kids:
-                        tokens[c] = top[row][self.ranks[c]]
+                        tokens[c] = ids[row][self.ranks[c]]
+                        if prune:
+                            path_p[c] = (path_p[p] if p >= 0 else 1.0) * probs[row][self.ranks[c]]
+                            alive[c] = path_p[c] >= self.min_prob and (p < 0 or alive[p])
                 return
             for row, (_, kids) in enumerate(nodes_by_parent):
                 probs = heads.full_probs(state.sampling.probs(logits[row].float()))
@@ -101,7 +117,7 @@ class EagleDrafter(Drafter):
             levels.setdefault(int(depth[i]), []).append(i)
         try:
             for d in sorted(levels):
-                nodes = [i for i in levels[d] if qrows[i] is not None or greedy]
+                nodes = [i for i in levels[d] if (alive[i] if greedy else qrows[i] is not None)]
                 if not nodes:
                     continue
                 base = cached + len(slot)
@@ -127,6 +143,9 @@ class EagleDrafter(Drafter):
             if extra:
                 self._cache.crop(-extra)  # the tree's entries go; the committed pairs stay
         if greedy:
+            keep = prefix_closed(parents, {i for i in range(n) if alive[i]}) if prune else None
+            if keep is not None and len(keep) < n:  # (children of a left-out node were never drafted)
+                return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.long), reindex(parents, keep))
             return DraftTree(torch.tensor(tokens), parents)
         drawn = [i for i in range(n) if qrows[i] is not None]
         if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
