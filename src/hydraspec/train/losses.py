@@ -95,7 +95,9 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
     """EAGLE's loss on one sequence: hidden [T - 1, dim] the base's states f_0 .. f_{T-2}, ids [T].
 
     At every depth k = 1 .. ``steps`` (:func:`eagle_guesses`) the guess at position j is scored against the
-    next feature f_{j+1} by a smooth-L1 regression (weight ``reg_weight``) and its token distribution
+    next feature f_{j+1} by a smooth-L1 regression (weight ``reg_weight``; both scaled by the features'
+    standard deviation, so that the two losses keep EAGLE's balance whatever the base's feature scale: a
+    final norm's output can be several times larger than the residual stream EAGLE read) and its token distribution
     against the base's own distribution for x_{j+2} (``teacher_logits``; without them, against the token)
     by a cross-entropy (weight ``cls_weight``), as EAGLE trains; depth k weighs ``decay``^(k-1). Depth 1
     reads the true features (EAGLE-1); the deeper ones read the head's own guesses, as drafting does (as
@@ -113,6 +115,7 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
         feats = feats + (torch.rand_like(feats) * 2 - 1) * (noise * feats.std())
     guesses = eagle_guesses(heads, feats, embed(ids[1:n + 1]).float(), steps)  # pairs (f_j, e(x_{j+1}))
     target_feat = hidden[1:n + 1].float()  # f_{j+1}
+    scale = 1.0 / float(target_feat.std().clamp(min=1e-6))
     target = ids[2:n + 2]  # x_{j+2}
     subset = getattr(heads, "subset", None)
     if subset is not None:
@@ -133,7 +136,7 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
         yv = y[valid].float()
         logits = heads.logits(k - 1, yv).float()
         tv = target[valid]
-        reg = F.smooth_l1_loss(yv, target_feat[valid])
+        reg = F.smooth_l1_loss(yv * scale, target_feat[valid] * scale)
         if teacher is not None:
             cls = -(teacher[valid] * logits.log_softmax(-1)).sum(-1).mean()
         else:
