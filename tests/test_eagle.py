@@ -10,7 +10,6 @@ from hydraspec.drafters.base import DecodeState
 from hydraspec.drafters.eagle import EagleDrafter
 from hydraspec.heads import build_heads, load_heads, save_heads
 from hydraspec.sampling import Sampling
-from hydraspec.train.losses import eagle_guesses
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 
@@ -88,7 +87,7 @@ def test_training_guesses_equal_drafting_at_each_depth():
     hidden, _ = _features(model, ids)
     n = len(ids) - 2
     with torch.no_grad():
-        guesses = eagle_guesses(heads, hidden[:n], embed(torch.tensor(ids[1:n + 1])), 3)
+        guesses = heads.guesses(hidden[:n], embed(torch.tensor(ids[1:n + 1])), 3)
         for k, g in enumerate(guesses, start=1):
             for j in range(k - 1, n):
                 c = j - k + 1  # the draft committed up to pair c, teacher-forced tokens after it

@@ -186,8 +186,24 @@ class Recorder:
         self.inner.start(state, capacity)
 
 
-@pytest.mark.parametrize("kind", ["draft", "medusa", "hydra"])
-def test_offline_replay_matches_the_engine_step_by_step(kind, tok):
+def trained_eagle(model, seqs, tmp_path, depth):
+    """An EAGLE head trained briefly on the sequences themselves (a fresh one accepts nothing)."""
+    import json
+
+    from hydraspec.heads import load_heads
+    from hydraspec.train import train_heads
+
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps({"id": f"s{i}", "prompt_ids": seq[:plen], "answer_ids": seq[plen:]}) + "\n"
+                            for i, (seq, plen) in enumerate(seqs)))
+    train_heads(model, data, tmp_path / "eagle", kind="eagle", num_heads=depth, epochs=20, lr=1e-2, distill=True,
+                heldout=0.0, progress=False, head_options={"intermediate_size": 64}, eagle={"steps": depth},
+                cache_bytes=0)
+    return load_heads(tmp_path / "eagle", model)[0]
+
+
+@pytest.mark.parametrize("kind", ["draft", "medusa", "hydra", "eagle"])
+def test_offline_replay_matches_the_engine_step_by_step(kind, tok, tmp_path):
     """The recorded ranks use the engine's offsets: replaying a tree offline gives the same accepted
     lengths, step by step, as decoding the same prompt with that tree (wrong offsets would not)."""
     model = tiny.cached_model("llama", "sdpa", 1)
@@ -197,6 +213,12 @@ def test_offline_replay_matches_the_engine_step_by_step(kind, tok):
         draft = tiny.noisy_copy(model, 0.3)
         ranks = draft_ranks(draft, seqs, depth, 10)
         make = lambda paths: DraftModelDrafter(draft, tree=paths)  # noqa: E731
+    elif kind == "eagle":
+        from hydraspec.drafters.eagle import EagleDrafter
+
+        heads = trained_eagle(model, seqs, tmp_path, depth)
+        ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, 10)
+        make = lambda paths: EagleDrafter(heads, model.get_input_embeddings(), paths)  # noqa: E731
     else:
         heads = noisy_heads(model, kind, num_heads=depth, scale=0.3)
         ranks = head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, 10)

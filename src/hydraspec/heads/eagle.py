@@ -96,6 +96,28 @@ class EagleHeads(Heads):
             x = out[0] if isinstance(out, tuple) else out
         return x[0]
 
+    def guesses(self, feats: torch.Tensor, tok: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The guesses [n, dim] at every draft depth 1 .. ``steps`` for the pairs (feats[j], tok[j]) at positions
+        j = 0 .. n - 1, as drafting computes them along the true tokens (for training and for tree
+        calibration): depth 1 reads the true pairs; depth k reads, at position j, depth k - 1's guess at
+        j - 1 with tok[j], and attends to the true pairs up to j - k + 1, to the same chain's rows of the
+        depths between, and to itself (what a draft committed up to j - k + 1 sees). Rows j < k - 1 of
+        depth k have no such chain: they see only themselves."""
+        n = feats.shape[0]
+        pos = torch.arange(n, device=feats.device)
+        cache = new_cache()
+        out = [self.step(feats, tok, pos, cache)]
+        for k in range(2, steps + 1):
+            prev = torch.cat([out[-1][:1], out[-1][:-1]])  # row j reads the previous depth's guess at j - 1
+            allowed = torch.zeros(n, k * n, dtype=torch.bool, device=feats.device)
+            allowed[:, :n] = pos[None, :] <= pos[:, None] - k + 1  # the true pairs
+            chain = pos >= k - 1
+            for m in range(2, k):  # this chain's rows of the depths between
+                allowed[pos[chain], (m - 1) * n + pos[chain] - k + m] = True
+            allowed[pos, (k - 1) * n + pos] = True  # itself
+            out.append(self.step(prev, tok, pos, cache, additive(allowed, self.fc.weight.dtype)))
+        return out
+
     def logits(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of guessed features [..., dim] (the same projection at every depth ``k``)."""
         return self.project(0, hidden)

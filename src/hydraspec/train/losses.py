@@ -65,36 +65,12 @@ def heads_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
     return total, stats
 
 
-def eagle_guesses(heads, feats: torch.Tensor, tok: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """An EAGLE head's guesses [n, dim] at every draft depth 1 .. ``steps`` for the pairs (feats[j], tok[j])
-    at positions j = 0 .. n - 1, as drafting computes them: depth 1 reads the true pairs; depth k reads, at
-    position j, depth k - 1's guess at j - 1 with tok[j], and attends to the true pairs up to j - k + 1, to
-    the same chain's rows of the depths between, and to itself (what a draft committed up to j - k + 1
-    sees). Rows j < k - 1 of depth k have no such chain: they see only themselves."""
-    from ..heads.eagle import additive, new_cache
-
-    n = feats.shape[0]
-    pos = torch.arange(n, device=feats.device)
-    cache = new_cache()
-    out = [heads.step(feats, tok, pos, cache)]
-    for k in range(2, steps + 1):
-        prev = torch.cat([out[-1][:1], out[-1][:-1]])  # row j reads the previous depth's guess at j - 1
-        allowed = torch.zeros(n, k * n, dtype=torch.bool, device=feats.device)
-        allowed[:, :n] = pos[None, :] <= pos[:, None] - k + 1  # the true pairs
-        chain = pos >= k - 1
-        for m in range(2, k):  # this chain's rows of the depths between
-            allowed[pos[chain], (m - 1) * n + pos[chain] - k + m] = True
-        allowed[pos, (k - 1) * n + pos] = True  # itself
-        out.append(heads.step(prev, tok, pos, cache, additive(allowed, heads.fc.weight.dtype)))
-    return out
-
-
 def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, embed=None,
                teacher_logits: torch.Tensor | None = None, steps: int = 2, noise: float = 0.1,
                reg_weight: float = 1.0, cls_weight: float = 0.1, decay: float = 0.8):
     """EAGLE's loss on one sequence: hidden [T - 1, dim] the base's states f_0 .. f_{T-2}, ids [T].
 
-    At every depth k = 1 .. ``steps`` (:func:`eagle_guesses`) the guess at position j is scored against the
+    At every depth k = 1 .. ``steps`` (:meth:`EagleHeads.guesses <hydraspec.heads.eagle.EagleHeads.guesses>`) the guess at position j is scored against the
     next feature f_{j+1} by a smooth-L1 regression (weight ``reg_weight``; both scaled by the features'
     standard deviation, so that the two losses keep EAGLE's balance whatever the base's feature scale: a
     final norm's output can be several times larger than the residual stream EAGLE read) and its token distribution
@@ -113,7 +89,7 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
     feats = hidden[:n].float()
     if noise and torch.is_grad_enabled():
         feats = feats + (torch.rand_like(feats) * 2 - 1) * (noise * feats.std())
-    guesses = eagle_guesses(heads, feats, embed(ids[1:n + 1]).float(), steps)  # pairs (f_j, e(x_{j+1}))
+    guesses = heads.guesses(feats, embed(ids[1:n + 1]).float(), steps)  # pairs (f_j, e(x_{j+1}))
     target_feat = hidden[1:n + 1].float()  # f_{j+1}
     scale = 1.0 / float(target_feat.std().clamp(min=1e-6))
     target = ids[2:n + 2]  # x_{j+2}

@@ -7,7 +7,7 @@ verification only the drafter's proposals along the *correct* path matter: a nod
 if its parent was, and its token is right exactly when it equals the target's greedy token. So one
 number per (position, depth) says everything: r_d(p), the rank of S[p + 2 + d] among the drafter's
 proposals given the correct path (Medusa head d on h_p; Hydra head d on h_p and the embeddings of
-S[p + 1 .. p + 1 + d]; a draft model's next-token ranking after S[.. p + 1 + d]). A tree of rank paths
+S[p + 1 .. p + 1 + d]; an EAGLE head's depth-d guess along S; a draft model's next-token ranking after S[.. p + 1 + d]). A tree of rank paths
 then accepts, at position p, the longest prefix (r_0(p), ..., r_{k-1}(p)) that is one of its paths.
 Where decoding would not draft a node at all -- past the token budget at the end of a sequence, or
 below the point where a draft model's confidence stop (`--draft-confidence`) ends its chain -- its rank
@@ -99,16 +99,23 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
         s = torch.tensor(seq, device=dev)
         emb = embed(s[None])[0] if heads.kind != "medusa" else None
         r = torch.zeros(len(ps), depth, dtype=torch.long)
-        for a in range(0, len(ps), chunk):
-            p = torch.tensor(ps[a:a + chunk], device=dev)
+        if heads.kind == "eagle":  # depth d along the correct path: the head's depth-d guess at p + d
+            n = len(seq) - 2
+            guesses = heads.guesses(hid[:n], emb[1:n + 1], depth)
+            chunks = [(0, torch.tensor(ps, device=dev))]
+        else:
+            chunks = [(a, torch.tensor(ps[a:a + chunk], device=dev)) for a in range(0, len(ps), chunk)]
+        for a, p in chunks:
             h = hid[p]
             for d in range(depth):
-                if heads.kind == "medusa":
+                if heads.kind == "eagle":
+                    lg = full_vocab_logits(heads, heads.logits(d, guesses[d][(p + d).clamp(max=n - 1)]).float())
+                elif heads.kind == "medusa":
                     lg = full_vocab_logits(heads, heads.logits(d, h).float())
                 else:
                     idx = p[:, None] + 1 + torch.arange(d + 1, device=dev)[None]  # S[p+1 .. p+1+d]
                     lg = full_vocab_logits(heads, heads.logits(d, h, emb[idx.clamp(max=len(seq) - 1)]).float())
-                r[a:a + len(ps[a:a + chunk]), d] = _rank_of(lg, s[(p + 2 + d).clamp(max=len(seq) - 1)]).cpu()
+                r[a:a + len(p), d] = _rank_of(lg, s[(p + 2 + d).clamp(max=len(seq) - 1)]).cpu()
         r = r.clamp(max=max_rank).numpy()
         r[_past_the_end(ps, len(seq), depth)] = max_rank
         out.append(r)
