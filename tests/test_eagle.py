@@ -199,3 +199,17 @@ def test_min_prob_leaves_out_unlikely_nodes_and_stays_exact(tok):
         drafter = make_drafter("eagle", heads=heads, embed=embed, tree=TREE, min_prob=bound)
         assert SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=24).token_ids == \
             ref.token_ids
+
+
+def test_eagle_rows_of_a_batch_each_answer_as_alone(tok):
+    """In batched decoding (and so in the server) each row forks its own EAGLE cache: every row's greedy
+    answer equals plain decoding of its prompt alone, while rows come and go."""
+    from hydraspec.batch import BatchGenerator
+
+    model = tiny.cached_model("qwen2", "sdpa", 1)
+    heads = _head(model)
+    prompts = [[5, 9, 2, 7, 7, 1, 5, 9], [3], [8, 8, 4, 2, 6], [11, 12]]
+    refs = [SpeculativeGenerator(model, tok).generate(input_ids=p, max_new_tokens=16).token_ids for p in prompts]
+    drafter = make_drafter("pld+eagle", heads=heads, embed=model.get_input_embeddings(), tree=TREE)
+    res = BatchGenerator(model, tok, drafter).generate(input_ids=prompts, max_new_tokens=16, batch_size=2)
+    assert [r.token_ids for r in res] == refs
