@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import HydraspecError
+from ..heads.eagle import additive, new_cache
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, parents_from_paths, shape_of
 from .base import DecodeState, Drafter
@@ -50,8 +51,6 @@ class EagleDrafter(Drafter):
         self._cache, self._fed, self._seen, self._root = None, 0, None, None
 
     def start(self, state: DecodeState, capacity: int) -> None:
-        from ..heads.eagle import new_cache
-
         self._cache, self._fed, self._seen, self._root = new_cache(), 0, None, None
 
     def _commit(self, state: DecodeState) -> torch.Tensor | None:
@@ -127,8 +126,6 @@ class EagleDrafter(Drafter):
                     for a in self.shape.path_to(i)[:-1]:
                         allowed[r, slot[a]] = True
                     allowed[r, base + r] = True
-                from ..heads.eagle import additive
-
                 dev = root.device
                 mask = additive(allowed.to(dev), heads.fc.weight.dtype)
                 f = torch.stack([feats[parents[i]] for i in nodes])
