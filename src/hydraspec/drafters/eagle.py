@@ -127,7 +127,7 @@ class EagleDrafter(Drafter):
                         allowed[r, slot[a]] = True
                     allowed[r, base + r] = True
                 dev = root.device
-                mask = additive(allowed.to(dev), heads.fc.weight.dtype)
+                mask = additive(allowed.to(dev), heads.dtype)
                 f = torch.stack([feats[parents[i]] for i in nodes])
                 e = self.embed(torch.tensor([tokens[i] for i in nodes], device=dev))
                 pos = torch.full((len(nodes),), end + d, dtype=torch.long, device=dev)

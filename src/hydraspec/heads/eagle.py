@@ -75,6 +75,11 @@ class EagleHeads(Heads):
         heads.intermediate_size = cfg.intermediate_size
         return heads
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the layer computes in (its norms' weights: matrices may sit on quantised kernels)."""
+        return next(p.dtype for p in self.layers.parameters() if p.is_floating_point())
+
     def extra_config(self) -> dict:
         return {"intermediate_size": self.intermediate_size}
 
@@ -83,7 +88,7 @@ class EagleHeads(Heads):
         """feats, token_emb: [n, dim] pairs (f_i, e(x_{i+1})) at ``positions`` [n], after what ``cache`` holds
         (a transformers cache of this head's layers, or None: the n pairs alone). mask: [1, 1, n, cached + n]
         additive, default causal. Returns [n, dim]: the guessed next features."""
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         x = self.fc(torch.cat([feats.to(dtype), token_emb.to(dtype)], dim=-1))[None]
         past = cache.get_seq_length() if cache is not None else 0
         if mask is None:
@@ -115,7 +120,7 @@ class EagleHeads(Heads):
             for m in range(2, k):  # this chain's rows of the depths between
                 allowed[pos[chain], (m - 1) * n + pos[chain] - k + m] = True
             allowed[pos, (k - 1) * n + pos] = True  # itself
-            out.append(self.step(prev, tok, pos, cache, additive(allowed, self.fc.weight.dtype)))
+            out.append(self.step(prev, tok, pos, cache, additive(allowed, self.dtype)))
         return out
 
     def logits(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
