@@ -306,6 +306,7 @@ def test_hub_failure_is_one_line(home, monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your connection.\nMore text.")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)  # no minutes of hub retries
     with pytest.raises(HydraspecError) as e:
         load_model("someorg/somemodel", device="cpu")
     msg = str(e.value)
