@@ -45,9 +45,10 @@ def main():
     t = time.perf_counter()
     res = gen.generate(input_ids=ids, max_new_tokens=args.tokens, batch_size=args.rows, temperature=1.0, top_k=50,
                        top_p=0.95, seed=1)
+    secs = time.perf_counter() - t
     n = sum(len(r.token_ids) for r in res)
     print(f"{args.model}, {args.rows} rows sampled (T 1, top-k 50, top-p 0.95): {n} tokens in "
-          f"{time.perf_counter() - t:.1f} s = {n / (time.perf_counter() - t):.1f} tokens/s")
+          f"{secs:.1f} s = {n / secs:.1f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -39,4 +39,4 @@ with torch.inference_mode():
             model(x, past_key_values=cache, use_cache=True)
             best = min(best, time.perf_counter() - t)
         row.append(f"{n}: {best * 1e3:.0f}")
-    print(f"{a.model} {a.dtype} {'plain' if a.no_prepack else 'hydraspec kernels'} {'gguf' if a.gguf else a.quant} (ms per forward) -> " + ", ".join(row))
+    print(f"{a.model} {a.dtype} {'plain' if a.no_prepack else 'hydraspec kernels'} {'gguf ' if a.gguf else ''}{a.quant} (ms per forward) -> " + ", ".join(row))

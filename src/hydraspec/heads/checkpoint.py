@@ -85,11 +85,10 @@ def same_weights(a: list[float], b: list[float]) -> float:
     return min(float(cos(x[:half], y[:half], dim=0)), float(cos(x[half:], y[half:], dim=0)))
 
 
-def load_heads(directory, model, base_model: str | None = None, quant: str | None = None) -> tuple[Heads, dict]:
+def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, dict]:
     """Load heads for `model`; refuses heads trained for a model of another shape or other weights (by the
     checkpoint's ``base_fingerprint``: any path to the same weights is accepted), or, for checkpoints
-    without a fingerprint, of another name. ``quant`` (CPU): the heads' own matrices as int8 / w8a8 / w4a8
-    (hydraspec.quantize; heads only draft, so this changes acceptance, never the output)."""
+    without a fingerprint, of another name."""
     d = Path(directory)
     try:
         cfg = json.loads((d / "config.json").read_text())
@@ -125,10 +124,6 @@ def load_heads(directory, model, base_model: str | None = None, quant: str | Non
         from ..backend import prepack
 
         prepack(heads)
-        if quant not in (None, "none"):
-            from ..quantize import quantize_draft
-
-            quantize_draft(heads, quant)
     return heads, cfg
 
 

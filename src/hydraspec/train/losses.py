@@ -70,12 +70,13 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
                reg_weight: float = 1.0, cls_weight: float = 0.1, decay: float = 0.8):
     """EAGLE's loss on one sequence: hidden [T - 1, dim] the base's states f_0 .. f_{T-2}, ids [T].
 
-    At every depth k = 1 .. ``steps`` (:meth:`EagleHeads.guesses <hydraspec.heads.eagle.EagleHeads.guesses>`) the guess at position j is scored against the
-    next feature f_{j+1} by a smooth-L1 regression (weight ``reg_weight``; both scaled by the features'
-    standard deviation, so that the two losses keep EAGLE's balance whatever the base's feature scale: a
-    final norm's output can be several times larger than the residual stream EAGLE read) and its token distribution
-    against the base's own distribution for x_{j+2} (``teacher_logits``; without them, against the token)
-    by a cross-entropy (weight ``cls_weight``), as EAGLE trains; depth k weighs ``decay``^(k-1). Depth 1
+    At every depth k = 1 .. ``steps`` (:meth:`hydraspec.heads.eagle.EagleHeads.guesses`) the guess at
+    position j is scored against the next feature f_{j+1} by a smooth-L1 regression (weight ``reg_weight``;
+    both scaled by the features' standard deviation, so that the two losses keep EAGLE's balance whatever
+    the base's feature scale: a final norm's output can be several times larger than the residual stream
+    EAGLE read) and its token distribution against the base's own distribution for x_{j+2}
+    (``teacher_logits``; without them, against the token) by a cross-entropy (weight ``cls_weight``), as
+    EAGLE trains; depth k weighs ``decay``^(k-1). Depth 1
     reads the true features (EAGLE-1); the deeper ones read the head's own guesses, as drafting does (as
     HASS and EAGLE-3 train), so that deeper drafts do not drift. Under autograd the true features get
     uniform noise of ``noise`` times their standard deviation (EAGLE's). Only targets inside the answer
