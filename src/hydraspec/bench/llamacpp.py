@@ -1,11 +1,25 @@
-"""llama.cpp as a benchmark baseline: `llamacpp-ar`, `llamacpp-draft` and `llamacpp-ngram`.
+"""llama.cpp as a benchmark baseline: `llamacpp-ar`, `llamacpp-draft`, its n-gram speculation types
+(`llamacpp-ngram-simple`, `-ngram-mod`, `-ngram-map-k`, `-ngram-map-k4v`, `-ngram-cache`; `llamacpp-ngram` is
+ngram-simple) and an n-gram type chained with the draft model (`llamacpp-ngram-simple+draft`,
+`llamacpp-ngram-mod+draft`).
 
 Each method runs its own `llama-server` (llama.cpp's HTTP server, built from the sources that the
 llama-cpp-python sdist vendors: scripts/build_llamacpp.sh) on the same GGUF files, with the same thread
 count, and answers the same token ids as hydraspec's methods through its `/completion` endpoint, greedy
 (top-k 1), prompt cache off. The server's own timings give time to first token (prompt_ms) apart from
-decoding. llama.cpp computes in its own arithmetic, so its answers are not expected to equal hydraspec's
-token for token; they are compared for speed only.
+decoding, and the draft tokens it proposed and had accepted (draft_n, draft_n_accepted; absent when it
+drafted nothing). llama.cpp computes in its own arithmetic, so its answers are not expected to equal
+hydraspec's token for token; they are compared for speed only.
+
+That llama.cpp speculates only with an explicit `--spec-type` (a comma-separated list; with no type it
+infers one only for MTP / EAGLE-3 / DFlash / DSpark drafts, so a plain draft model given with -md alone sits
+idle): every speculating method passes its types, a speculating server whose /slots says it cannot
+speculate is refused at start, and the report marks a method whose server drafted nothing over the run.
+Settings are llama.cpp's defaults (common/common.h): draft model --spec-draft-n-max 3, --spec-draft-n-min 0,
+--spec-draft-p-min 0.0 (given explicitly); ngram-simple / ngram-map-k / ngram-map-k4v: lookup n-gram 12,
+draft m-gram 48, 1 hit; ngram-mod: match 24, drafts of 48 to 64 tokens; where an n-gram type and a draft
+model are both given, the n-gram type drafts first. `--llamacpp-args` appends to the command line (later
+flags win).
 """
 from __future__ import annotations
 
@@ -52,21 +66,50 @@ def server_binary() -> Path:
     return tool(SERVER)
 
 
+# method kind -> llama.cpp's --spec-type list (empty: no speculation)
+SPEC_TYPES: dict[str, tuple[str, ...]] = {
+    "ar": (),
+    "draft": ("draft-simple",),
+    "ngram-simple": ("ngram-simple",),
+    "ngram-mod": ("ngram-mod",),
+    "ngram-map-k": ("ngram-map-k",),
+    "ngram-map-k4v": ("ngram-map-k4v",),
+    "ngram-cache": ("ngram-cache",),
+    "ngram-simple+draft": ("ngram-simple", "draft-simple"),
+    "ngram-mod+draft": ("ngram-mod", "draft-simple"),
+}
+KIND_ALIASES = {"ngram": "ngram-simple"}  # `llamacpp-ngram`, as before the other n-gram types were added
+# llama.cpp's documented defaults for a draft model (common/common.h, common_params_speculative_draft)
+DRAFT_DEFAULTS = ("--spec-draft-n-max", "3", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0.0")
+
+
+def spec_types(kind: str) -> tuple[str, ...]:
+    kind = KIND_ALIASES.get(kind, kind)
+    if kind not in SPEC_TYPES:
+        raise ValueError(kind)
+    return SPEC_TYPES[kind]
+
+
+def uses_draft(kind: str) -> bool:
+    return "draft-simple" in spec_types(kind)
+
+
 def server_command(binary, model: str, threads: int, port: int, kind: str, draft: str | None = None,
                    extra: str | None = None) -> list[str]:
-    """The llama-server command line of one method: kind 'ar' (no speculation), 'draft' (draft model,
-    llama.cpp's default draft settings) or 'ngram' (--spec-type ngram-simple). One slot, no prompt cache,
-    `extra` (a shell-quoted string) appended."""
+    """The llama-server command line of one method kind (see SPEC_TYPES): 'ar' (no speculation), 'draft'
+    (--spec-type draft-simple with the draft model and llama.cpp's default draft settings), an n-gram type
+    ('ngram-simple', 'ngram-mod', ... at their defaults; 'ngram' = 'ngram-simple'), or an n-gram type
+    chained with the draft model ('ngram-mod+draft'). One slot, no prompt cache, `extra` (a shell-quoted
+    string) appended."""
+    types = spec_types(kind)
     cmd = [str(binary), "-m", model, "-t", str(threads), "-tb", str(threads), "-c", "8192", "-np", "1",
            "--no-cache-prompt", "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
-    if kind == "draft":
+    if "draft-simple" in types:
         if not draft:
-            raise HydraspecError("method 'llamacpp-draft' needs --draft-model")
-        cmd += ["-md", draft, "-td", str(threads), "-tbd", str(threads)]
-    elif kind == "ngram":
-        cmd += ["--spec-type", "ngram-simple"]
-    elif kind != "ar":
-        raise ValueError(kind)
+            raise HydraspecError(f"method 'llamacpp-{kind}' needs --draft-model")
+        cmd += ["-md", draft, "-td", str(threads), "-tbd", str(threads), *DRAFT_DEFAULTS]
+    if types:
+        cmd += ["--spec-type", ",".join(types)]
     return cmd + shlex.split(extra or "")
 
 
@@ -90,8 +133,19 @@ def turn_result(reply: dict, prompt_tokens: int, wall_s: float, eos: list[int], 
         ids.append(int(eos[0]))
     timings = reply.get("timings") or {}
     prompt_s = float(timings["prompt_ms"]) / 1000 if "prompt_ms" in timings else None
+    drafted, accepted = draft_counts(timings)
     return TurnResult(token_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=True), finish_reason=finish,
-                      wall_s=wall_s, prompt_tokens=prompt_tokens, prefill_s=prompt_s)
+                      wall_s=wall_s, prompt_tokens=prompt_tokens, prefill_s=prompt_s, drafted=drafted,
+                      draft_accepted=accepted)
+
+
+def draft_counts(timings: dict) -> tuple[int | None, int | None]:
+    """(draft tokens proposed, accepted) from a /completion reply's timings. The server writes draft_n and
+    draft_n_accepted only when it drafted something (tools/server/server-common.cpp,
+    server_slot_stats::to_json), so timings without them mean 0 drafted; no timings at all: (None, None)."""
+    if not timings:
+        return None, None
+    return int(timings.get("draft_n") or 0), int(timings.get("draft_n_accepted") or 0)
 
 
 def _free_port() -> int:
@@ -130,6 +184,16 @@ class LlamaServer:
                 raise HydraspecError(f"{SERVER} did not come up within {start_timeout:.0f} s; see {self.log}")
             time.sleep(0.2)
 
+    def slots(self) -> list[dict] | None:
+        """The server's /slots (one entry per slot, each with "speculative": whether it can draft), or None
+        where the endpoint is off (--no-slots)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/slots", timeout=10) as resp:
+                data = json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return data if isinstance(data, list) else None
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -157,16 +221,29 @@ class LlamaServer:
             self._log_file.close()
 
 
+def check_speculating(name: str, slots: list[dict] | None, log) -> None:
+    """Refuse a speculating method whose server cannot speculate (no slot says "speculative": true)."""
+    if slots is not None and not any(s.get("speculative") for s in slots if isinstance(s, dict)):
+        raise HydraspecError(f"{name}: llama-server started without speculative decoding (its /slots says "
+                             f"speculative: false), so it would decode plainly; see {log}")
+
+
 class LlamaCppRunner(Runner):
     def __init__(self, ctx: BenchContext, kind: str):
         from ..models import gguf_file
 
         a = ctx.args
         model = str(gguf_file(a.model))
-        draft = str(gguf_file(a.draft_model)) if kind == "draft" else None
+        draft = str(gguf_file(a.draft_model)) if uses_draft(kind) else None
         threads = torch.get_num_threads()  # the bench's own (bench/runner.py sets it)
         cmd = server_command(server_binary(), model, threads, 0, kind, draft, getattr(a, "llamacpp_args", None))
         self.server = LlamaServer(cmd, Path(a.out) / f"llamacpp-{kind}.log")
+        if spec_types(kind):
+            try:
+                check_speculating(f"llamacpp-{kind}", self.server.slots(), self.server.log)
+            except HydraspecError:
+                self.server.close()
+                raise
         self.tok, self.eos = ctx.tokenizer, sorted(ctx.eos)
 
     def generate(self, ids, max_new_tokens, temperature, seed):
@@ -177,9 +254,19 @@ class LlamaCppRunner(Runner):
         return turn_result(reply, len(ids), wall, self.eos, self.tok)
 
 
-for _kind, _help in (("ar", "llama.cpp's llama-server on the same GGUF file, plain decoding"),
-                     ("draft", "llama.cpp's llama-server with --draft-model's GGUF as draft (its default settings)"),
-                     ("ngram", "llama.cpp's llama-server with n-gram speculation (--spec-type ngram-simple)")):
-    register(MethodSpec(f"llamacpp-{_kind}", partial(LlamaCppRunner, kind=_kind), _help,
-                        needs_draft=_kind == "draft",
-                        settings=("llamacpp_args",) + (("draft_model",) if _kind == "draft" else ())))
+_HELP = {
+    "ar": "llama.cpp's llama-server on the same GGUF file, plain decoding",
+    "draft": "llama.cpp's llama-server with --draft-model's GGUF as draft (--spec-type draft-simple, its "
+             "default draft settings)",
+    "ngram": "llama.cpp's llama-server with n-gram speculation (--spec-type ngram-simple; = llamacpp-ngram-simple)",
+    "ngram-simple+draft": "llama.cpp's llama-server with ngram-simple, else the draft model (--spec-type "
+                          "ngram-simple,draft-simple)",
+    "ngram-mod+draft": "llama.cpp's llama-server with ngram-mod, else the draft model (--spec-type "
+                       "ngram-mod,draft-simple)",
+}
+for _kind in ("ar", "draft", "ngram", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache",
+              "ngram-simple+draft", "ngram-mod+draft"):
+    _draft = uses_draft(_kind)
+    register(MethodSpec(f"llamacpp-{_kind}", partial(LlamaCppRunner, kind=_kind),
+                        _HELP.get(_kind, f"llama.cpp's llama-server with n-gram speculation (--spec-type {_kind})"),
+                        needs_draft=_draft, settings=("llamacpp_args",) + (("draft_model",) if _draft else ())))

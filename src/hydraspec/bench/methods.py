@@ -29,6 +29,8 @@ class TurnResult:
     draft_s: float | None = None
     verify_s: float | None = None
     accept_s: float | None = None
+    drafted: int | None = None  # draft tokens proposed (llama.cpp's server reports them); None: not reported
+    draft_accepted: int | None = None  # of those, accepted by the target
 
     @property
     def new_tokens(self) -> int:

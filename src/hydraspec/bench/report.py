@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .. import backend
+from . import stats
 
 
 def machine_info(dtype: str, device: str) -> dict:
@@ -70,6 +71,55 @@ def _pct(v) -> str:
     return "n/a" if v is None else f"{100 * v:.0f}%"
 
 
+def _label(summary: dict, m: str) -> str:
+    """The method's row name; a speculating llama.cpp method that drafted nothing (or did not record its
+    drafting) says so, since its figures are not speculation's."""
+    lc = summary.get("llamacpp") or {}
+    if m in lc.get("no_drafts", ()):
+        return f"{m} (NO DRAFTS: decoded plainly)"
+    if m in lc.get("not_recorded", ()):
+        return f"{m} (drafting not recorded)"
+    return m
+
+
+def _llamacpp_lines(summary: dict) -> list[str]:
+    """The best llama.cpp method, and a warning for each speculating one that did not (or may not have)
+    drafted; nothing without llama.cpp methods."""
+    lc = summary.get("llamacpp") or {}
+    if not any(m.startswith("llamacpp-") for m in summary["methods"]):
+        return []
+    out = []
+    best = lc.get("best")
+    if best:
+        tps = summary["table"][best]["overall"]["tokens_per_s"]
+        out.append(f"Best llama.cpp method: **{best}** ({_f(tps, 1)} tokens/s overall).")
+    else:
+        out.append("Best llama.cpp method: none that counts (see below).")
+    for m in lc.get("no_drafts", ()):
+        out.append(f"**WARNING: {m}'s server drafted nothing over the whole run: its row is plain decoding, "
+                   "not speculation, and it is left out of the best llama.cpp method.**")
+    for m in lc.get("not_recorded", ()):
+        out.append(f"**WARNING: {m}'s records do not say whether its server drafted (made before drafting was "
+                   "recorded): it is left out of the best llama.cpp method; rerun it in a fresh --out.**")
+    return [line for o in out for line in (o, "")]
+
+
+def _draft_table(summary: dict) -> list[str]:
+    rows = [m for m in summary["methods"]
+            if stats.is_llamacpp_speculation(m) and summary["table"][m]["overall"].get("drafted") is not None]
+    if not rows:
+        return []
+    lines = ["## Drafting reported by llama.cpp's server", "",
+             "Draft tokens proposed and accepted over all turns (llama.cpp's /completion timings: draft_n, "
+             "draft_n_accepted).", "",
+             "| Method | Drafted | Accepted | Accepted share |", "|---|---:|---:|---:|"]
+    for m in rows:
+        o = summary["table"][m]["overall"]
+        d, a = o["drafted"], o.get("draft_accepted") or 0
+        lines.append(f"| {_label(summary, m)} | {d} | {a} | {_pct(a / d) if d else 'n/a'} |")
+    return lines + [""]
+
+
 def _table(summary: dict, key: str) -> list[str]:
     cats = summary["categories"]
     ref = summary["reference"]
@@ -79,7 +129,7 @@ def _table(summary: dict, key: str) -> list[str]:
     for m in summary["methods"]:
         row = summary["table"][m]
         o = row["overall"]
-        cells = [m] + [_x(row["categories"].get(c, {}).get(key)) for c in cats]
+        cells = [_label(summary, m)] + [_x(row["categories"].get(c, {}).get(key)) for c in cats]
         if not summary["greedy"]:
             same = f"n/a (sampling, seed {summary.get('seed')})"
         elif m == ref:
@@ -95,7 +145,7 @@ def _speed_table(summary: dict) -> list[str]:
     lines = ["| Method | TTFT s | Decode tok/s | Overall tok/s |", "|---|---:|---:|---:|"]
     for m in summary["methods"]:
         o = summary["table"][m]["overall"]
-        lines.append(f"| {m} | {_f(o.get('ttft_s'), 3)} | {_f(o.get('decode_tokens_per_s'), 1)} | "
+        lines.append(f"| {_label(summary, m)} | {_f(o.get('ttft_s'), 3)} | {_f(o.get('decode_tokens_per_s'), 1)} | "
                      f"{_f(o['tokens_per_s'], 1)} |")
     return lines
 
@@ -103,6 +153,7 @@ def _speed_table(summary: dict) -> list[str]:
 def markdown(summary: dict, machine: dict, settings: dict) -> str:
     t = summary["temperature"]
     decoding = "greedy" if summary["greedy"] else f"temperature {t}, seed {summary.get('seed')}"
+    best_lc = (summary.get("llamacpp") or {}).get("best")
     out = [
         "# hydraspec bench",
         "",
@@ -117,6 +168,7 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
         "Speedup = tokens/s over the same questions relative to the baseline; mean accepted = new tokens per "
         "target forward (n/a where transformers does not expose it).",
         "",
+        *_llamacpp_lines(summary),
         "## Speedup over ar (hydraspec plain decoding)",
         "",
         *_table(summary, "speedup_vs_ar"),
@@ -133,6 +185,15 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
             *_table(summary, "speedup_vs_llamacpp_ar"),
             "",
         ] if "llamacpp-ar" in summary["methods"] else []),
+        *([
+            f"## Speedup over the best llama.cpp method ({best_lc})",
+            "",
+            "The fastest llama.cpp method overall, the same one in every category.",
+            "",
+            *_table(summary, "speedup_vs_best_llamacpp"),
+            "",
+        ] if best_lc else []),
+        *_draft_table(summary),
         "## Time to first token and decoding speed",
         "",
         "TTFT = mean seconds to the first new token (reading the prompt); decode = tokens/s after it.",
@@ -147,7 +208,7 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
     out += ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for m in summary["methods"]:
         row = summary["table"][m]["categories"]
-        cells = [m] + [_f(row.get(c, {}).get("tokens_per_s"), 1) for c in cats] + \
+        cells = [_label(summary, m)] + [_f(row.get(c, {}).get("tokens_per_s"), 1) for c in cats] + \
                 [_f(row.get(c, {}).get("mean_accepted")) for c in cats]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

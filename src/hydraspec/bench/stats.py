@@ -17,6 +17,11 @@ Definitions (per category and overall, over a method's records):
     identical share = turns whose token ids equal the reference method's for the same question and turn,
                       over the turns the reference has; only meaningful for greedy decoding, so it is None
                       when temperature > 0
+    drafted         = draft tokens proposed (and accepted) over the turns that report them (llama.cpp's
+                      server does); None when no turn does
+    best llama.cpp  = the llamacpp-* method with the most tokens/s overall, leaving out speculating ones
+                      (all but llamacpp-ar) that drafted nothing or did not record drafting: those decoded
+                      plainly, or cannot be shown not to have
 """
 from __future__ import annotations
 
@@ -107,6 +112,9 @@ def totals(records) -> dict:
     out["ttft_s"] = pre / len(turns) if pre is not None and turns else None
     decoded = tok - sum(1 for t in turns if int(t["new_tokens"]) > 0)
     out["decode_tokens_per_s"] = tokens_per_s(decoded, wall - pre) if pre is not None else None
+    for k in ("drafted", "draft_accepted"):
+        known = [int(t[k]) for t in turns if t.get(k) is not None]
+        out[k] = sum(known) if known else None
     return out
 
 
@@ -179,5 +187,39 @@ def summarize(records, methods=None, temperature: float = 0.0, seed: int | None 
                            for c in cats if any(r["category"] == c for r in recs)},
             "overall": cell(recs, by_method, reference, greedy),
         }
+    llamacpp = llamacpp_summary(table, present)
+    best = llamacpp["best"]
+    for m in present:
+        row = table[m]
+        row["overall"]["speedup_vs_best_llamacpp"] = speedup(by_method[m], by_method[best]) if best else None
+        for c, cell_ in row["categories"].items():
+            base = [r for r in by_method[best] if r["category"] == c] if best else []
+            cell_["speedup_vs_best_llamacpp"] = (
+                speedup([r for r in by_method[m] if r["category"] == c], base) if base else None)
     return {"reference": reference, "temperature": temperature, "greedy": greedy,
-            "seed": None if greedy else seed, "categories": cats, "methods": present, "table": table}
+            "seed": None if greedy else seed, "categories": cats, "methods": present, "table": table,
+            "llamacpp": llamacpp}
+
+
+def is_llamacpp_speculation(method: str) -> bool:
+    """A llama.cpp baseline that is meant to speculate (every llamacpp-* method but plain llamacpp-ar)."""
+    return method.startswith("llamacpp-") and method.partition("@")[0] != "llamacpp-ar"
+
+
+def llamacpp_summary(table: dict, methods) -> dict:
+    """{"best": the fastest llama.cpp method overall that counts (None without one), "no_drafts": speculating
+    llama.cpp methods whose server drafted nothing over the run, "not_recorded": those whose records do not
+    say (made before drafting was recorded)}. Methods of both lists are left out of "best"."""
+    no_drafts, not_recorded, ok = [], [], []
+    for m in methods:
+        if not m.startswith("llamacpp-"):
+            continue
+        drafted = table[m]["overall"].get("drafted")
+        if is_llamacpp_speculation(m) and drafted is None:
+            not_recorded.append(m)
+        elif is_llamacpp_speculation(m) and drafted == 0:
+            no_drafts.append(m)
+        elif table[m]["overall"].get("tokens_per_s") is not None:
+            ok.append(m)
+    best = max(ok, key=lambda m: table[m]["overall"]["tokens_per_s"], default=None)
+    return {"best": best, "no_drafts": no_drafts, "not_recorded": not_recorded}
