@@ -11,7 +11,8 @@ import time
 import torch
 
 from hydraspec import make_drafter
-from hydraspec.adaptive import AdaptiveDraft, measure_verify_cost
+from hydraspec.adaptive import AdaptiveDraft
+from hydraspec.verify_cost import measure_verify_cost
 from hydraspec.batch import BatchGenerator
 from hydraspec.bench.prompts import load_questions
 from hydraspec.models import load_model

@@ -63,11 +63,10 @@ def test_drafted_tree_equals_fresh_runs_of_each_path(family):
     hidden, _ = _features(model, seq)
     # step 1: the prompt seq[:5] committed, seq[5] pending; step 2: two more tokens committed
     state = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4])
-    drafter.start(state, 64)
     for end in (5, 7):
         if end == 7:
             state.tokens, state.new_hidden, state.hidden = seq + [4], hidden[5:7], hidden[6]
-        tree = drafter.propose(state)
+        tree, = drafter.propose([state])
         ref = _reference_tree(heads, embed, list(hidden[:end]), state.tokens[1:end + 1], TREE)
         from hydraspec.tree import parents_from_paths
 
@@ -77,7 +76,7 @@ def test_drafted_tree_equals_fresh_runs_of_each_path(family):
         for i, path in enumerate(TREE):
             got[tuple(path)] = int(tree.tokens[i])
         assert got == ref
-        assert drafter._cache.get_seq_length() == end  # the tree's entries were dropped
+        assert drafter.rows.of(state).cache.get_seq_length() == end  # the tree's entries were dropped
     assert len(set(got.values())) > 2  # the head guesses different tokens at different nodes
 
 
@@ -175,8 +174,7 @@ def test_min_prob_leaves_out_unlikely_nodes_and_stays_exact(tok):
     hidden, _ = _features(model, seq)
     state = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4])
     full = EagleDrafter(heads, embed, TREE)
-    full.start(state, 64)
-    tree = full.propose(state)
+    tree, = full.propose([state])
     parents, _ = parents_from_paths(TREE)
     # path probabilities from fresh runs of the head along each path
     probs = {}
@@ -197,8 +195,7 @@ def test_min_prob_leaves_out_unlikely_nodes_and_stays_exact(tok):
     bound = math.sqrt(values[i] * values[i + 1])
     assert values[i] < bound < values[i + 1]
     pruned = EagleDrafter(heads, embed, TREE, min_prob=bound)
-    pruned.start(state, 64)
-    small = pruned.propose(state)
+    small, = pruned.propose([state])
     keep = [i for i, path in enumerate(TREE) if all(probs[tuple(path[:j])] >= bound for j in range(1, len(path) + 1))]
     assert 0 < len(keep) < len(TREE)
     assert small.tokens.tolist() == [int(tree.tokens[i]) for i in keep]
@@ -211,7 +208,7 @@ def test_min_prob_leaves_out_unlikely_nodes_and_stays_exact(tok):
 
 
 def test_eagle_rows_of_a_batch_each_answer_as_alone(tok):
-    """In batched decoding (and so in the server) each row forks its own EAGLE cache: every row's greedy
+    """In batched decoding (and so in the server) each row keeps its own EAGLE cache: every row's greedy
     answer equals plain decoding of its prompt alone, while rows come and go."""
     from hydraspec.batch import BatchGenerator
 

@@ -447,12 +447,11 @@ def test_prompt_lookup_proposals():
 
     d = PromptLookupDrafter(num_tokens=3, max_ngram=2)
     st = DecodeState(tokens=[1, 2, 3, 4, 9, 2, 3], prompt_len=7, sampling=Sampling())
-    t = d.propose(st)  # last bigram (2, 3) occurred at 1..2, followed by 4, 9, 2
+    t, = d.propose([st])  # last bigram (2, 3) occurred at 1..2, followed by 4, 9, 2
     assert t.tokens.tolist() == [4, 9, 2] and t.parents == chain(3) and t.q is None
-    st = DecodeState(tokens=[5], prompt_len=1, sampling=Sampling())
-    assert len(d.propose(st)) == 0
-    st = DecodeState(tokens=[1, 2, 3], prompt_len=3, sampling=Sampling())
-    assert len(d.propose(st)) == 0
+    short = DecodeState(tokens=[5], prompt_len=1, sampling=Sampling())
+    none = DecodeState(tokens=[1, 2, 3], prompt_len=3, sampling=Sampling())
+    assert [len(t) for t in d.propose([short, st, none])] == [0, 3, 0]  # rows at once, each its own
     with pytest.raises(ValueError):
         PromptLookupDrafter(num_tokens=0)
 
@@ -461,26 +460,30 @@ def test_prompt_lookup_backs_off_after_rejections_and_looks_again():
     from hydraspec.drafters.base import DecodeState
     from hydraspec.sampling import Sampling
 
+    from hydraspec.drafters.base import Verdict
+
     d = PromptLookupDrafter(num_tokens=3, max_ngram=2)
     st = DecodeState(tokens=[1, 2, 3, 4, 9, 2, 3], prompt_len=7, sampling=Sampling())
-    d.start(st, 64)
     seen = []
     for _ in range(12):  # every proposal rejected
-        n = len(d.propose(st))
+        n = len(d.propose([st])[0])
         seen.append(n)
-        d.observe(st, [])
+        d.observe([st], [Verdict([], n)])
     # three rejected proposals, rest 1, probe, rest 2, probe, rest 4, probe
     assert [n > 0 for n in seen] == [True, True, True, False, True, False, False, True, False, False, False,
                                      False]
-    d.propose(st)
-    d.observe(st, [0])  # ... rest over: a hit resets the back-off
-    assert d.misses == 0 and d.rest == 0 and len(d.propose(st)) > 0
+    n = len(d.propose([st])[0])
+    d.observe([st], [Verdict([0], n)])  # ... rest over: a hit resets the back-off
+    row = d.rows.of(st)
+    assert row.misses == 0 and row.rest == 0 and len(d.propose([st])[0]) > 0
+    st.done = True  # a finished sequence's state goes at the next new sequence
+    d.propose([DecodeState(tokens=[1, 2], prompt_len=2, sampling=Sampling())])
+    assert d.rows.get(st) is None
 
 
 def test_draft_model_prefills_its_prompt_at_start(tok):
-    """The draft model reads the prompt (all but the pending token) in start(), which the engine counts
-    as prefill; the first proposal then feeds one token, and still drafts the draft model's own greedy
-    continuation."""
+    """The draft model reads the prompt (all but the pending token) when it first sees a sequence; that
+    proposal then feeds one token more, and drafts the draft model's own greedy continuation."""
     from hydraspec.drafters.base import DecodeState
     from hydraspec.sampling import Sampling
 
@@ -488,16 +491,14 @@ def test_draft_model_prefills_its_prompt_at_start(tok):
     draft = draft_for(family, attn, seed)
     prompt = prompts_for(seed)[2]
     d = DraftModelDrafter(draft, k=3, dynamic=False, confidence=0.0)
-    state = DecodeState(tokens=list(prompt), prompt_len=len(prompt), sampling=Sampling())
+    state = DecodeState(tokens=list(prompt), prompt_len=len(prompt), sampling=Sampling(), capacity=len(prompt) + 8)
     fed = []
     hook = draft.register_forward_pre_hook(lambda mod, args, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
     try:
-        d.start(state, len(prompt) + 8)
-        assert fed == [len(prompt) - 1] and d.cache.length == len(prompt) - 1
-        tree = d.propose(state)
+        tree, = d.propose([state])
     finally:
         hook.remove()
-    assert fed[1] == 1  # the pending token only
+    assert fed[:2] == [len(prompt) - 1, 1]  # the prompt but the pending token, then the pending token only
     assert tree.tokens.tolist() == run(draft, tok, None, prompt, 3).token_ids
 
 
@@ -515,22 +516,22 @@ def test_draft_leaves_keep_greedy_output_and_get_accepted(confidence, tok):
     class Watch(DraftModelDrafter):
         hits, sizes = 0, []
 
-        def propose(self, state):
-            if self.n_cached:  # the draft cache holds the sequence's own tokens (first layer's keys)
+        def propose_one(self, row, state):
+            if row.n_cached:  # the draft cache holds the sequence's own tokens (first layer's keys)
                 with torch.no_grad():
-                    fresh = self.model(torch.tensor([state.tokens[: self.n_cached]]), use_cache=True)
-                torch.testing.assert_close(self.cache.layers[0].keys, fresh.past_key_values.layers[0].keys)
-            self.tree = super().propose(state)
+                    fresh = self.model(torch.tensor([state.tokens[: row.n_cached]]), use_cache=True)
+                torch.testing.assert_close(row.cache.layers[0].keys, fresh.past_key_values.layers[0].keys)
+            self.tree = super().propose_one(row, state)
             self.sizes.append(len(self.tree.parents))
             return self.tree
 
-        def observe(self, state, accepted):
-            chain_accepted = [i for i in accepted if i not in self.leaf_nodes]
+        def observe_one(self, row, accepted):
+            chain_accepted = [i for i in accepted if i not in row.leaf_nodes]
             assert chain_accepted == accepted[: len(chain_accepted)]  # a leaf can only end the path
             self.hits += len(chain_accepted) < len(accepted)
-            before = self.n_cached
-            super().observe(state, accepted)
-            assert self.cache.length == self.n_cached <= before + len(chain_accepted)
+            before = row.n_cached
+            super().observe_one(row, accepted)
+            assert row.cache.length == row.n_cached <= before + len(chain_accepted)
 
     hits = 0
     for prompt in prompts_for(seed):
@@ -573,8 +574,8 @@ def test_draft_path_stop_is_exact_and_stops_where_the_chain_gets_unlikely(confid
     model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
 
     class Watch(DraftModelDrafter):
-        def propose(self, state):
-            tree = super().propose(state)
+        def propose_one(self, row, state):
+            tree = super().propose_one(row, state)
             toks = tree.tokens.tolist()
             with torch.no_grad():
                 lg = self.model(torch.tensor([state.tokens + toks])).logits[0, len(state.tokens) - 1:].float()
@@ -583,7 +584,7 @@ def test_draft_path_stop_is_exact_and_stops_where_the_chain_gets_unlikely(confid
             for i in range(len(toks)):
                 reach *= top[i]
                 assert i == 0 or reach >= confidence * (1 - 1e-4)
-            if len(toks) < self.k:  # stopped by the confidence test, not the length
+            if len(toks) < row.k:  # stopped by the confidence test, not the length
                 assert reach * top[len(toks)] < confidence * (1 + 1e-4)
             lengths.append(len(toks))
             return tree
@@ -607,15 +608,15 @@ def test_pld_draft_runs_the_draft_model_only_where_lookup_finds_nothing(tok):
     inner_steps, lookup_steps = [], []
 
     class Inner(DraftModelDrafter):
-        def propose(self, state):
-            inner_steps.append(len(state.tokens))
-            return super().propose(state)
+        def propose(self, states):
+            inner_steps.extend(len(s.tokens) for s in states)
+            return super().propose(states)
 
     class Lookup(PromptLookupDrafter):
-        def propose(self, state):
-            tree = super().propose(state)
-            lookup_steps.append(len(tree))
-            return tree
+        def propose(self, states):
+            trees = super().propose(states)
+            lookup_steps.extend(len(t) for t in trees)
+            return trees
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     ref = tiny.hf_greedy(model, prompt, 24)

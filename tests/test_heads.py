@@ -79,9 +79,10 @@ class OracleHeads(torch.nn.Module):
 
 
 class OracleDrafter(HeadDrafter):
-    def propose(self, state):
-        self.heads.context = list(state.tokens)
-        return super().propose(state)
+    def propose(self, states):
+        assert len(states) == 1  # the oracle heads read one row's context
+        self.heads.context = list(states[0].tokens)
+        return super().propose(states)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
@@ -224,9 +225,9 @@ def test_draft_vocabulary_heads_are_exact_greedy_and_lossless_q(tok, tmp_path):
     drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE[:5])
     res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=20)
     assert res.token_ids == ref.token_ids
-    tree = drafter.propose(__import__("hydraspec.drafters.base", fromlist=["DecodeState"]).DecodeState(
+    tree, = drafter.propose([__import__("hydraspec.drafters.base", fromlist=["DecodeState"]).DecodeState(
         tokens=prompt, prompt_len=6, sampling=__import__("hydraspec.sampling", fromlist=["Sampling"]).Sampling(0.0, 0, 1.0),
-        hidden=h[0], new_hidden=h[:1]))
+        hidden=h[0], new_hidden=h[:1])])
     assert all(t % 3 == 0 for t in tree.tokens.tolist())  # drafts come from the draft vocabulary only
     with pytest.raises(ValueError, match="distinct token ids"):
         build_heads("medusa", model, vocab_subset=[1, 1, 2])
@@ -254,20 +255,17 @@ class _FixedTree:
     def __init__(self, tokens, parents):
         self.tokens, self.parents, self.seen = tokens, parents, []
 
-    def start(self, state, capacity):
-        pass
-
-    def propose(self, state):
+    def propose(self, states):
         from hydraspec.tree import DraftTree
 
-        return DraftTree(torch.tensor(self.tokens), tuple(self.parents))
+        return [DraftTree(torch.tensor(self.tokens), tuple(self.parents)) for _ in states]
 
-    def observe(self, state, accepted):
-        self.seen.append(list(accepted))
+    def observe(self, states, verdicts):
+        self.seen.extend(list(v.accepted) for v in verdicts)
 
 
 def test_lookup_hybrid_merges_the_chain_into_the_tree():
-    from hydraspec.drafters.base import DecodeState
+    from hydraspec.drafters.base import DecodeState, Verdict
     from hydraspec.drafters.hybrid import LookupHybridDrafter
     from hydraspec.drafters.prompt_lookup import PromptLookupDrafter
     from hydraspec.sampling import Sampling
@@ -276,23 +274,22 @@ def test_lookup_hybrid_merges_the_chain_into_the_tree():
     hyb = LookupHybridDrafter(inner, PromptLookupDrafter(num_tokens=3, dynamic=False))
     # context ... 1 2 | 7 9 4 ... 1 2: lookup proposes 7 9 4; 7 and 9 exist in the tree, 4 hangs under 9
     state = DecodeState(tokens=[1, 2, 7, 9, 4, 5, 1, 2], prompt_len=8, sampling=Sampling())
-    hyb.start(state, 100)
-    tree = hyb.propose(state)
+    tree, = hyb.propose([state])
     assert tree.tokens.tolist() == [7, 8, 9, 4] and tree.parents == (-1, -1, 0, 2)
-    hyb.observe(state, [0, 2, 3])  # the whole chain was accepted
+    hyb.observe([state], [Verdict([0, 2, 3], 4)])  # the whole chain was accepted
     assert inner.seen[-1] == [0, 2]
     # a chain that leaves the tree at once: 5 is not a root child, so all its tokens are new nodes
     state = DecodeState(tokens=[3, 5, 6, 3], prompt_len=4, sampling=Sampling())
     hyb.lookup.min_ngram = 1
-    tree = hyb.propose(state)
+    tree, = hyb.propose([state])
     assert tree.tokens.tolist() == [7, 8, 5, 9, 6, 3] and tree.parents == (-1, -1, -1, 0, 2, 4)
-    hyb.observe(state, [2, 4])
+    hyb.observe([state], [Verdict([2, 4], 6)])
     assert inner.seen[-1] == []
     # sampling: one drafter's tree whole (the lookup chain when there is one)
     state = DecodeState(tokens=[3, 5, 6, 3], prompt_len=4, sampling=Sampling(temperature=0.7))
-    assert hyb.propose(state).tokens.tolist() == [5, 6, 3]
+    assert hyb.propose([state])[0].tokens.tolist() == [5, 6, 3]
     state = DecodeState(tokens=[3, 5, 6, 4], prompt_len=4, sampling=Sampling(temperature=0.7))
-    assert hyb.propose(state).tokens.tolist() == [7, 8, 9]
+    assert hyb.propose([state])[0].tokens.tolist() == [7, 8, 9]
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])

@@ -133,7 +133,7 @@ def test_static_draft_tree_stops_where_the_draft_model_is_unsure(tok):
         d = DraftModelDrafter(draft, tree=tree, confidence=conf)
         seen = []
         propose = d.propose
-        d.propose = lambda state, propose=propose: seen.append(propose(state)) or seen[-1]
+        d.propose = lambda states, propose=propose: seen.extend(propose(states)) or seen[-len(states):]
         res = SpeculativeGenerator(model, tok, d).generate(input_ids=PROMPT, max_new_tokens=20)
         assert res.token_ids == ref, conf
         sizes[conf] = {len(t.tokens) for t in seen}
@@ -174,16 +174,13 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose(self, state):
-        return self.inner.propose(state)
+    def propose(self, states):
+        return self.inner.propose(states)
 
-    def observe(self, state, accepted):
-        self.steps.append(len(accepted))
-        self.inner.observe(state, accepted)
-
-    def start(self, state, capacity):
-        self.steps = []
-        self.inner.start(state, capacity)
+    def observe(self, states, verdicts):
+        assert len(states) == 1  # one sequence
+        self.steps.append(len(verdicts[0].accepted))
+        self.inner.observe(states, verdicts)
 
 
 def trained_eagle(model, seqs, tmp_path, depth):
@@ -327,7 +324,7 @@ def test_build_tree_prediction_matches_decoding_with_an_exact_drafter(tok):
 def test_build_tree_per_batch_size_feeds_batch_trees(tok, tmp_path):
     """--batch-sizes: a tree per batch size, chosen by B x expected tokens / (verify at B rows + draft);
     the tree.json's by_batch is what --batch-trees reads."""
-    from hydraspec.batch import load_batch_trees
+    from hydraspec.inputs import load_batch_trees
     from hydraspec.trees.measure import time_batch_verify
 
     model = tiny.cached_model("llama", "sdpa", 1)
@@ -377,10 +374,10 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose(self, state):
-        t = self.inner.propose(state)
-        self.sizes.append((len(t), int(shape_of(t.parents).depth.max()) + 1 if len(t) else 0))
-        return t
+    def propose(self, states):
+        trees = self.inner.propose(states)
+        self.sizes.extend((len(t), int(shape_of(t.parents).depth.max()) + 1 if len(t) else 0) for t in trees)
+        return trees
 
 
 @pytest.mark.parametrize("kind", ["draft", "medusa", "hydra"])
@@ -440,18 +437,18 @@ class NoisyOracleHydra(torch.nn.Module):
 
 
 class OracleDynamic(DynamicHeadDrafter):
-    def propose(self, state):
+    def propose_one(self, state):
         self.heads.context = list(state.tokens)
-        return super().propose(state)
+        return super().propose_one(state)
 
 
 class GreedyWithQ(OracleDynamic):
     """WRONG on purpose: proposes the top tokens but reports the warped q as if they had been drawn."""
 
-    def propose(self, state):
+    def propose_one(self, state):
         s = state.sampling
-        tree = super().propose(type(state)(tokens=state.tokens, prompt_len=state.prompt_len,
-                                           sampling=Sampling(), hidden=state.hidden))
+        tree = super().propose_one(type(state)(tokens=state.tokens, prompt_len=state.prompt_len,
+                                               sampling=Sampling(), hidden=state.hidden))
         h, pending = state.hidden, state.tokens[-1]
         rows = []
         for i in range(len(tree)):
@@ -665,11 +662,12 @@ def test_time_steps_advances_by_the_accepted_path(tok):
     out = time_steps(model, make, order, seq, len(PROMPT), [3, 4], reps=2, want_hidden=False, accepted={3: 2, 4: 9})
     assert set(out) == {3, 4} and all(v > 0 and d > 0 for v, d in out.values())
     # 3 reps of T3 accepting 2 nodes each: the draft cache grew by 3 tokens per step (2 kept + 1 fed)
-    assert made[0].n_cached == len(PROMPT) + 3 * 2 + 2
+    n_cached = [next(iter(d.rows.rows.values()))[1].n_cached for d in made]  # each drafter's one sequence
+    assert n_cached[0] == len(PROMPT) + 3 * 2 + 2
     # T4 (BFS: [0], [1], [0,0], [0,0,0]): the rank-0 chain is nodes 0, 2, 3, so 9 is capped at 3 and
     # the sequence grows by 4 per step; the deepest node was never fed to the draft model, so each step
     # keeps 2 cached nodes and feeds 2 tokens: 6 -> 8, 10 -> 12, 14 -> 16
-    assert made[1].n_cached == len(PROMPT) + 2 * 4 + 2
+    assert n_cached[1] == len(PROMPT) + 2 * 4 + 2
 
 
 def test_cli_build_tree_refuses_a_bad_draft_confidence_before_loading(tmp_path, capsys):

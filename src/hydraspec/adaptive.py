@@ -14,7 +14,7 @@ After drafting, :meth:`AdaptiveDraft.widths` cuts each row's actual proposal wit
 cost only themselves) the i-th draft of row b is worth a_b^i and the rule keeps the drafts worth most as
 long as expected tokens per second still grow; with padded rows it picks one common length. So in a full
 batch the rows whose lookups keep hitting still draft, and the others cost nothing. ``a`` starts from a
-prior of 0.5 worth 20 draws (hydraspec.engine).
+prior of 0.5 worth 20 draws (hydraspec.policy).
 
 The model is then checked against the clock: the engine reports every step's wall time and emitted tokens
 (:meth:`AdaptiveDraft.observe`), and per number of rows the rule keeps the tokens per second of the steps that
@@ -27,134 +27,44 @@ model leaves out (drafting work, Python overhead, padding, a server's own costs)
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import time
-import weakref
-from collections import Counter
-
-import torch
-
-from . import backend
-from .cache import new_cache, text_config
-from .engine import PRIOR_RATE
-from .home import hydraspec_home
+from .drafters.base import DecodeState
+from .policy import AcceptanceBook, BudgetPolicy, DraftPolicy, StepReport
+from .tree import DraftTree, shape_of
+from .verify import can_pack
+from .verify_cost import SIZES, Curve, measure_verify_cost
 
 PAY_MARGIN = 1.15
 PROBE_EVERY, MIN_STEPS, EWMA_STEPS = 10, 8, 32
-SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in row blocks, so cost is not smooth
 
 
-_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(sizes, prefix): costs}
+class AdaptiveDraft(DraftPolicy):
+    """The policy of the module docstring over measured costs ``cost`` ({tokens: seconds}) and the acceptance
+    it counts itself (:class:`hydraspec.policy.AcceptanceBook`). packed: the engine verifies rows packed."""
 
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("hydraspec")
-    except PackageNotFoundError:
-        return ""
-
-
-def stored_cost_path(model, sizes=SIZES, prefix: int = 64, repeats: int = 2):
-    """Where the verify cost of this model on this machine is kept between processes (a CPU model only; None
-    on other devices): a file named by a hash of everything the timing depends on, the model (class,
-    config, dtype, kinds of layers), the machine (CPU model, threads), the native build (which also tells
-    an AVX2 CPU from an AVX-512 one) and the sizes. Delete it (or the ``verify-cost`` folder of the
-    hydraspec home) to measure again."""
-    if model.device.type != "cpu":
-        return None
-    layers = sorted(Counter(type(m).__name__ for m in model.modules()).items())
-    what = [_version(), type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
-            getattr(model.config, "_name_or_path", ""), backend.cpu_model(), os.cpu_count(), torch.get_num_threads(),
-            backend.build_id(), backend.describe(), list(sizes), prefix, repeats]
-    key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
-    return hydraspec_home() / "verify-cost" / f"{key}.json"
-
-
-@torch.inference_mode()
-def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 2) -> dict[int, float]:
-    """Seconds of one target forward over n new tokens after ``prefix`` tokens, best of ``repeats``, made
-    non-decreasing in n (a forward over more tokens never costs less; a smaller figure is noise). The prefix
-    is read once and the cache cut back to it after every timed forward; a model is measured once per
-    process (later calls return the same figures) and once per machine: the figures are kept on disk
-    (:func:`stored_cost_path`) and read back by later processes."""
-    key = (tuple(sizes), prefix)
-    known = _MEASURED.get(model, {})
-    if key in known:
-        return dict(known[key])
-    path = stored_cost_path(model, sizes, prefix, repeats)
-    if path is not None and path.exists():
-        try:
-            out = {int(n): float(t) for n, t in json.loads(path.read_text()).items()}
-            if sorted(out) == sorted(sizes):
-                _MEASURED.setdefault(model, {})[key] = dict(out)
-                return out
-        except (ValueError, OSError, AttributeError):
-            pass  # unreadable: measure again
-    dev = model.device
-    vocab = text_config(model).vocab_size
-    g = torch.Generator().manual_seed(0)
-    start = torch.randint(10, min(vocab, 1000), (1, prefix), generator=g).to(dev)
-    out = {}
-    cache = new_cache(model, prefix + max(sizes) + 4)
-    model(start, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    model(start[:, :4], past_key_values=cache, use_cache=True)  # warm-up: the first forward pays for allocations
-    cache.crop(prefix)
-    for n in sizes:
-        best = float("inf")
-        for _ in range(repeats):
-            x = torch.randint(10, min(vocab, 1000), (1, n), generator=g).to(dev)
-            t = time.perf_counter()
-            model(x, past_key_values=cache, use_cache=True)
-            best = min(best, time.perf_counter() - t)
-            cache.crop(prefix)
-        out[n] = max([best] + list(out.values()))
-    _MEASURED.setdefault(model, {})[key] = dict(out)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({str(n): t for n, t in out.items()}))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only home: measured again next time
-    return out
-
-
-class AdaptiveDraft:
-    """draft_cap(rows) for the engine: the rule of the module docstring over measured costs ``cost``
-    ({tokens: seconds}) and the engine's acceptance counts (``engine`` is read at every call)."""
-
-    def __init__(self, cost: dict[int, float], k_max: int, engine=None, check: bool = True, cheap: bool = False):
-        self.points = sorted(cost.items())
+    def __init__(self, cost: dict[int, float], k_max: int, check: bool = True, cheap: bool = False,
+                 packed: bool = False):
+        self.curve = Curve(cost)
         self.k_max = max(0, int(k_max))
-        self.cheap = cheap
-        self.engine = engine
-        self.check = check
+        self.cheap, self.check, self.packed = cheap, check, packed
+        self.book = AcceptanceBook()
         self.last: dict[int, int] = {}
         # per number of rows: [tokens/s, steps] of drafting steps and of plain ones, and a step counter
         self.measured: dict[int, dict[str, list[float]]] = {}
         self.calls: dict[int, int] = {}
 
     def cost(self, n: int) -> float:
-        pts = self.points
-        if n <= pts[0][0]:
-            return pts[0][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if n <= x1:
-                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-        (x0, y0), (x1, y1) = pts[-2], pts[-1]
-        return y1 + (y1 - y0) / (x1 - x0) * (n - x1)
-
-    def rate(self) -> float:
-        return self.engine.rate() if self.engine is not None else PRIOR_RATE
+        return self.curve(n)
 
     @property
-    def packed(self) -> bool:
-        return bool(getattr(self.engine, "packed", False))
+    def points(self) -> list[tuple[int, float]]:
+        return self.curve.points
+
+    @points.setter
+    def points(self, points: list[tuple[int, float]]) -> None:
+        self.curve = Curve(dict(points))
+
+    def rate(self) -> float:
+        return self.book.rate()
 
     def best_k(self, rows: int, a: float | None = None) -> int:
         a = min(self.rate() if a is None else a, 0.999)
@@ -175,25 +85,29 @@ class AdaptiveDraft:
         if not any(lengths):
             return list(lengths)
         rates = [min(max(a, 0.0), 0.999) for a in rates]
-        best, keep = rows / self.cost(rows) * PAY_MARGIN, [0] * rows
         if self.packed:
-            worth = sorted(((a ** i, b) for b, (a, n) in enumerate(zip(rates, lengths)) for i in range(1, n + 1)),
-                           reverse=True)
-            value, count = float(rows), 0
-            for j, (w, _) in enumerate(worth):
-                value += w
-                if value / self.cost(rows + j + 1) > best * 1.0001:
-                    best, count = value / self.cost(rows + j + 1), j + 1
-            for _, b in worth[:count]:
-                keep[b] += 1
-            return keep
+            return self._packed_widths(rows, lengths, rates)
+        best, keep = rows / self.cost(rows) * PAY_MARGIN, [0] * rows
         for m in range(1, max(lengths) + 1):
             value = sum((1 - a ** (min(n, m) + 1)) / (1 - a) for a, n in zip(rates, lengths))
             if value / self.cost(rows * (m + 1)) > best * 1.0001:
                 best, keep = value / self.cost(rows * (m + 1)), [min(n, m) for n in lengths]
         return keep
 
-    def __call__(self, rows: int) -> int:
+    def _packed_widths(self, rows: int, lengths: list[int], rates: list[float]) -> list[int]:
+        best, keep = rows / self.cost(rows) * PAY_MARGIN, [0] * rows
+        worth = sorted(((a ** i, b) for b, (a, n) in enumerate(zip(rates, lengths)) for i in range(1, n + 1)),
+                       reverse=True)
+        value, count = float(rows), 0
+        for j, (w, _) in enumerate(worth):
+            value += w
+            if value / self.cost(rows + j + 1) > best * 1.0001:
+                best, count = value / self.cost(rows + j + 1), j + 1
+        for _, b in worth[:count]:
+            keep[b] += 1
+        return keep
+
+    def limit(self, rows: int) -> int:
         k = self.k_max if self.cheap else self.best_k(rows)
         if k and self.check:
             n = self.calls[rows] = self.calls.get(rows, 0) + 1
@@ -205,6 +119,22 @@ class AdaptiveDraft:
                     k = 0  # a plain step to compare with (rarer once there are enough)
         self.last[rows] = k
         return k
+
+    def cut(self, trees: list[DraftTree], states: list[DecodeState]) -> list[DraftTree]:
+        """Each row keeps :meth:`widths` of its proposal; a cut chain is scored later as if verified."""
+        keep = self.widths(len(trees), [len(t) for t in trees], [self.book.row_rate(s.key) for s in states])
+        out = []
+        for tree, s, w in zip(trees, states, keep):
+            if w < len(tree):
+                if shape_of(tree.with_root()).is_chain:
+                    self.book.shadow(s.key, len(s.tokens), tree.tokens.tolist())
+                tree = tree.head(w)
+            out.append(tree)
+        return out
+
+    def update(self, report: StepReport) -> None:
+        self.book.update(report.row_steps)
+        self.observe(report.rows, report.drafted, report.seconds, report.emitted)
 
     def observe(self, rows: int, k: int, seconds: float, tokens: int) -> None:
         """One engine step at ``rows`` rows that drafted up to ``k`` tokens a row took ``seconds`` and emitted
@@ -239,3 +169,21 @@ class AdaptiveDraft:
         seen = [f"{r} rows: drafting {m['draft'][0]:.1f} vs plain {m['plain'][0]:.1f} tokens/s"
                 for r, m in sorted(self.measured.items()) if "draft" in m and "plain" in m]
         return text + ("; measured " + ", ".join(seen) if seen else "")
+
+
+def make_policy(model, drafter, *, greedy: bool = True, acceptor: str | None = None, budget: int | None = None,
+                adaptive: bool = True, serving: bool = False) -> DraftPolicy:
+    """The one place the draft policy is chosen. ``budget``: a fixed verify budget (BudgetPolicy). Otherwise
+    the adaptive rule where it applies, on the CPU: greedy decoding with greedy acceptance (a server also
+    for sampled requests) and a drafter whose proposals cost next to nothing (a server: any drafter, whose
+    drafts it cuts by the load). Sampling keeps the drafter's own lengths elsewhere: which drafts are
+    verified decides which random numbers are drawn, and a seed must give the same text on every run.
+    Otherwise (and for a drafter that paces itself) every proposal is verified whole (DraftPolicy)."""
+    if budget is not None:
+        return BudgetPolicy(budget)
+    if not adaptive or drafter.max_nodes < 1 or drafter.paced or model.device.type != "cpu":
+        return DraftPolicy()
+    if not serving and (not greedy or acceptor not in (None, "greedy") or not drafter.cheap):
+        return DraftPolicy()
+    return AdaptiveDraft(measure_verify_cost(model, sizes=SIZES), drafter.max_nodes, cheap=drafter.cheap,
+                         packed=can_pack(model))

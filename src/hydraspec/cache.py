@@ -164,6 +164,17 @@ def compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
             buf[rows, :, dst] = buf[rows, :, src]  # [B, N, heads, dim] read first, then written
 
 
+def copy_rows(src, dst, rows: int) -> None:
+    """Copy the first ``rows`` rows of every layer of ``src`` into ``dst`` (rows allocated there, at least as
+    many slots), with the write pointer; the layers of ``dst`` then use those rows."""
+    for a, b in zip(src.layers, dst.layers):
+        cap = a.full_k.shape[2]
+        b.full_k[:rows, :, :cap] = a.full_k[:rows]
+        b.full_v[:rows, :, :cap] = a.full_v[:rows]
+        b.length = a.length
+    use_rows(dst, 0, rows)
+
+
 def select_rows(cache, keep: torch.Tensor) -> None:
     """Drop the cache rows of finished sequences: the kept rows move to the front of the same buffers
     (allocated once, never grown) and the layers see only those rows from now on."""

@@ -22,6 +22,7 @@ class Stats:
     accept_s: float = 0.0
     wall_s: float = 0.0
     prompt_tokens: int = 0
+    counters: dict = field(default_factory=dict)  # drafters' counts (e.g. accepted_prediction_tokens)
 
     @property
     def mean_accepted(self) -> float:

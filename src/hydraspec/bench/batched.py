@@ -100,7 +100,8 @@ def run_batch_bench(args, loader=None) -> int:
 
         draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None), loader,
                                  vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
-    from ..batch import BatchGenerator, load_batch_trees
+    from ..batch import BatchGenerator
+    from ..inputs import load_batch_trees
     from ..generator import SpeculativeGenerator
     from ..inputs import eos_ids
 

@@ -1,20 +1,32 @@
+"""What every drafter is: two methods, as transformers' candidate generator has (get candidates, then learn
+how many were accepted), over all running sequences at once.
+
+``propose(states) -> trees`` drafts a token tree under each sequence's pending token; ``observe(states,
+verdicts)`` tells the drafter which of those nodes the target verified and accepted. A drafter keeps its
+per-sequence state itself (:class:`RowStates`: made at a sequence's first proposal, dropped once the
+sequence is done), and work it can share across sequences (a draft model's batch cache) stays private to it.
+"""
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Generic, TypeVar
 
 import torch
 
 from ..sampling import Sampling
 from ..tree import DraftTree
 
+_KEYS = itertools.count()
 
-@dataclass
+
+@dataclass(eq=False)
 class DecodeState:
-    """What a drafter may look at. tokens[-1] is the pending token: chosen by the target, not yet in
-    its cache; hidden is the target's last hidden state that produced it (only if the drafter asks)."""
+    """One sequence as a drafter may see it. tokens[-1] is the pending token: chosen by the target, not yet
+    in its cache; hidden is the target's last hidden state that produced it (only if the drafter asks).
+    ``key`` names the sequence for a drafter's per-sequence state; ``done`` is set once it has left."""
 
-    tokens: list[int]
+    tokens: list[int]  # prompt + answer so far
     prompt_len: int
     sampling: Sampling
     generator: torch.Generator | None = None
@@ -22,53 +34,80 @@ class DecodeState:
     # hidden states [m, dim] of the tokens the target committed to its cache since the last proposal
     # (the prompt after prefill; then the pending token and the accepted drafts); hidden == new_hidden[-1]
     new_hidden: torch.Tensor | None = None
+    capacity: int = 0  # the longest the sequence can get (prompt + budget + a tree)
+    prediction: list[int] | None = None  # token ids the caller expects the answer to mostly repeat
+    counters: dict[str, int] = field(default_factory=dict)  # drafters' counts for the result (usage)
+    key: int = field(default_factory=lambda: next(_KEYS))
+    done: bool = False
+
+
+@dataclass
+class Verdict:
+    """How one proposal fared: ``accepted`` its node indices along the accepted path, in order; ``verified``
+    how many of its first nodes the target saw (a load rule may cut a proposal before verification)."""
+
+    accepted: list[int]
+    verified: int
 
 
 class Drafter:
-    """Proposes a DraftTree under the pending token, then learns which of its nodes were accepted."""
+    """Proposes a DraftTree under each sequence's pending token, then learns which nodes were accepted.
+
+    name: the method's name. max_nodes: an upper bound on the size of any proposed tree. needs_hidden: the
+    drafter reads the target's hidden states (DecodeState.hidden / new_hidden). cheap: proposing costs next
+    to nothing (no model forward), so a load rule may let it always propose. paced: it sizes its proposals
+    by their measured cost itself, so no load rule cuts them."""
 
     name = "ar"
     needs_hidden = False
-    max_nodes = 0  # upper bound on the size of any proposed tree
-    cheap = False  # proposing costs next to nothing (no model forward): a load rule may let it always propose
+    max_nodes = 0
+    cheap = False
+    paced = False
 
-    def fork(self) -> "Drafter":
-        """A drafter for one more sequence decoded beside this one: models, heads and settings shared,
-        per-sequence state (caches, adaptive lengths) its own once :meth:`start` runs. Drafters that hold
-        other drafters fork those too."""
-        return copy.copy(self)
+    def propose(self, states: list[DecodeState]) -> list[DraftTree]:
+        return [DraftTree.empty() for _ in states]
 
-    def start(self, state: DecodeState, capacity: int) -> None:
-        """A new generation begins; `capacity` is the longest the sequence can get."""
+    def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
+        """verdicts[b]: how the last proposal for states[b] fared."""
 
-    def propose(self, state: DecodeState) -> DraftTree:
-        return DraftTree.empty()
 
-    def propose_batch(self, states: list[DecodeState], row_drafters: list["Drafter"] | None = None):
-        """One proposal per row in one pass (a drafter that can share work across rows does it here), or
-        None: then each row's own drafter is asked with :meth:`propose`."""
-        return None
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding through the same engine: every tree is just the pending token."""
 
-    def batch_state(self, capacity: int, rows_max: int):
-        """For a drafter whose batched work needs state of its own across steps (a draft model's B-row
-        cache): an object with ``add(first, states)``, ``propose(states)``, ``observe(b, n_accepted)`` and
-        ``keep(rows)`` that drafts for every row in place of the rows' own drafters. None (the default):
-        rows draft with their own drafters, through :meth:`propose_batch` or :meth:`propose`."""
-        return None
 
-    def observe(self, state: DecodeState, accepted: list[int]) -> None:
-        """accepted: indices into the last proposed DraftTree along the accepted path, in order."""
+R = TypeVar("R")
 
-    def cut(self, n: int) -> None:
-        """Only the first ``n`` nodes of the last proposal were verified (a load rule cut the rest), so
-        :meth:`observe` will judge those."""
+
+class RowStates(Generic[R]):
+    """A drafter's per-sequence state: ``of(state)`` makes it with ``make(state)`` at a sequence's first
+    proposal; entries of sequences that are done go at the next :meth:`of`'s sweep."""
+
+    def __init__(self, make: Callable[[DecodeState], R]):
+        self.make = make
+        self.rows: dict[int, tuple[DecodeState, R]] = {}
+
+    def of(self, state: DecodeState) -> R:
+        got = self.rows.get(state.key)
+        if got is None:
+            self.sweep()
+            got = self.rows[state.key] = (state, self.make(state))
+        return got[1]
+
+    def sweep(self) -> None:
+        for key in [k for k, (s, _) in self.rows.items() if s.done]:
+            del self.rows[key]
+
+    def get(self, state: DecodeState) -> R | None:
+        got = self.rows.get(state.key)
+        return None if got is None else got[1]
+
+
+def capacity_of(state: DecodeState) -> int:
+    """The cache slots a sequence may need (the engine says; a caller that does not gets room for 512 more)."""
+    return state.capacity or len(state.tokens) + 512
 
 
 def next_length(k: int, n_accepted: int, target: int, k_max: int) -> int:
     """The dynamic draft length of transformers' assisted generation: +2 (at most k_max) after a step
     that accepted all ``target`` drafts, -1 (at least 1) otherwise."""
     return min(k + 2, k_max) if n_accepted >= target else max(1, k - 1)
-
-
-class NoDrafter(Drafter):
-    """Plain autoregressive decoding through the same engine: every tree is just the pending token."""

@@ -5,8 +5,8 @@ One draft cache of B rows, laid out like the engine's target cache: row b's cont
 [0, length_b), a masked gap up to the shared write pointer, new tokens written there and moved next to
 the row's prefix. One draft forward per depth serves every row still drafting.
 
-Guarantee: each row proposes exactly what the single-sequence drafter would (same tokens, same q, same
-draws from the row's own generator): its own dynamic length (:func:`next_length`), the greedy confidence
+Guarantee: each row proposes exactly what it would decoded alone (same tokens, same q, same draws from
+the row's own generator): its own dynamic length (:func:`next_length`), the greedy confidence
 stop (per token or along the path), and after verification the draft cache keeps only the accepted drafts.
 """
 from __future__ import annotations
@@ -15,17 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import allocate_rows, compact, new_cache, prefill_rows, select_rows, set_length, use_rows
+from ..cache import allocate_rows, compact, copy_rows, new_cache, prefill_rows, select_rows, set_length, use_rows
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, chain
 from ..verify import ragged_mask
-from .base import DecodeState, next_length
+from .base import DecodeState, Verdict, capacity_of, next_length
 
 
 @dataclass
 class DraftRow:
-    """One row's place in the draft cache."""
+    """One sequence's place in the draft cache."""
 
+    state: DecodeState
     length: int  # the row's draft-cache length
     cached: int  # tokens of state.tokens in the draft cache
     k: int  # current draft length
@@ -33,30 +34,45 @@ class DraftRow:
 
 
 class DraftBatch:
-    """The batched chain of a DraftModelDrafter ``proto`` (its model and settings) for up to ``rows_max``
-    rows of ``capacity`` draft-cache slots. Rows are indexed as the caller's: :meth:`add` appends,
-    :meth:`keep` drops, :meth:`propose` takes one DecodeState per row in that order."""
+    """The batched chain of a DraftModelDrafter ``proto`` (its model and settings). Its cache rows follow
+    the sequences it is asked about: a new sequence joins at the end (prefilled on its prompt), one that is
+    done leaves, and the cache grows (rows or slots) when a sequence needs more than it holds."""
 
-    def __init__(self, proto, capacity: int, rows_max: int):
+    def __init__(self, proto):
         self.p, self.model = proto, proto.model
-        self.cache = new_cache(self.model, capacity)
-        allocate_rows(self.cache, self.model, rows_max)
+        self.cache = None
         self.rows: list[DraftRow] = []
+        self.index: dict[int, int] = {}  # sequence key -> row
+        self.size = (0, 0)  # allocated rows, slots
 
-    def add(self, first: int, states: list[DecodeState]) -> None:
-        """New rows at [first, first + len(states)): prefill the draft model on their tokens but the last
-        (the pending token, which the next proposal feeds)."""
-        assert first == len(self.rows), "rows join at the end"
-        new = [DraftRow(length=len(s.tokens) - 1, cached=len(s.tokens) - 1, k=self.p.k0) for s in states]
-        if any(r.cached for r in new):
-            prefill_rows(self.model, self.cache, first, [s.tokens[:-1] for s in states])
-        self.rows.extend(new)
-        use_rows(self.cache, 0, len(self.rows))
+    def _sync(self, states: list[DecodeState]) -> None:
+        """Rows of finished sequences leave, rows for new ones join."""
+        gone = [b for b, r in enumerate(self.rows) if r.state.done]
+        if gone:
+            keep = [b for b in range(len(self.rows)) if b not in set(gone)]
+            self.rows[:] = [self.rows[b] for b in keep]
+            select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.model.device))
+        new = [s for s in states if s.key not in {r.state.key for r in self.rows}]
+        if new:
+            self._reserve(len(self.rows) + len(new), max(capacity_of(s) for s in new) + self.p.max_nodes + 1)
+            first = len(self.rows)
+            self.rows.extend(DraftRow(s, len(s.tokens) - 1, len(s.tokens) - 1, self.p.k0) for s in new)
+            if any(len(s.tokens) > 1 for s in new):
+                prefill_rows(self.model, self.cache, first, [s.tokens[:-1] for s in new])
+            use_rows(self.cache, 0, len(self.rows))
+        if gone or new:
+            self.index = {r.state.key: b for b, r in enumerate(self.rows)}
 
-    def keep(self, keep: list[int]) -> None:
-        """Only rows ``keep`` (ascending indices) stay, in that order."""
-        self.rows[:] = [self.rows[b] for b in keep]
-        select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.model.device))
+    def _reserve(self, rows: int, slots: int) -> None:
+        """Room for ``rows`` rows of ``slots`` slots (allocated anew, holding what the old cache held)."""
+        if rows <= self.size[0] and slots <= self.size[1]:
+            return
+        size = (max(rows, 2 * self.size[0]), max(slots, self.size[1]))
+        cache = new_cache(self.model, size[1])
+        allocate_rows(cache, self.model, size[0])
+        if self.cache is not None:
+            copy_rows(self.cache, cache, len(self.rows))
+        self.cache, self.size = cache, size
 
     def _forward(self, feeds: list[list[int]]) -> torch.Tensor:
         """Append feeds[b] to row b's draft cache; logits [B, vocab] at each row's last fed token."""
@@ -89,10 +105,15 @@ class DraftBatch:
 
     @torch.inference_mode()
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
-        """One chain per row (row b of the batch decodes states[b])."""
-        p, rows = self.p, self.rows
-        assert len(states) == len(rows)
-        logits = self._forward([s.tokens[r.cached:] for r, s in zip(rows, states)])
+        """One chain per sequence of ``states`` (cache rows of other sequences only wait)."""
+        p = self.p
+        self._sync(states)
+        at = [self.index[s.key] for s in states]
+        rows = [self.rows[b] for b in at]
+        feeds = [[] for _ in self.rows]
+        for b, s in zip(at, states):
+            feeds[b] = s.tokens[self.rows[b].cached:]
+        logits = self._forward(feeds)[at]
         for r, s in zip(rows, states):
             r.cached, r.fed = len(s.tokens), 0
         toks: list[list[int]] = [[] for _ in rows]
@@ -124,17 +145,21 @@ class DraftBatch:
                     drafting[b] = False
             if not any(drafting):
                 break
-            feeds = [[toks[b][-1]] if drafting[b] else [] for b in range(len(rows))]
-            logits = self._forward(feeds)
-            for r, f in zip(rows, feeds):
-                r.fed += len(f)
+            feeds = [[] for _ in self.rows]
+            for b, j in enumerate(at):
+                if drafting[b]:
+                    feeds[j] = [toks[b][-1]]
+                    rows[b].fed += 1
+            logits = self._forward(feeds)[at]
         return [DraftTree(torch.tensor(t, dtype=torch.long), chain(len(t)), torch.stack(q) if q else None)
                 for t, q in zip(toks, qs)]
 
-    def observe(self, b: int, n_accepted: int) -> None:
-        """Row b's verdict: the first ``n_accepted`` drafts of its last chain were accepted."""
-        r = self.rows[b]
-        r.cached += min(n_accepted, r.fed)  # accepted drafts already in the draft cache stay, the rest go
-        r.length = r.cached
-        if self.p.dynamic:
-            r.k = next_length(r.k, n_accepted, r.k, self.p.max_k)
+    def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
+        """The first len(accepted) drafts of each sequence's last chain were accepted."""
+        for s, v in zip(states, verdicts):
+            r = self.rows[self.index[s.key]]
+            n = len(v.accepted)
+            r.cached += min(n, r.fed)  # accepted drafts already in the draft cache stay, the rest go
+            r.length = r.cached
+            if self.p.dynamic:
+                r.k = next_length(r.k, n, r.k, self.p.max_k)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -9,8 +10,20 @@ from ..errors import HydraspecError
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, shape_of
 from ..verify import check_supported, forward_nodes
-from .base import DecodeState, Drafter, next_length
+from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of, next_length
 from .draft_batch import DraftBatch
+
+
+@dataclass
+class DraftSeq:
+    """One sequence's draft cache (tree modes; chains share DraftBatch's)."""
+
+    cache: object
+    n_cached: int  # tokens of the sequence in the draft cache
+    k: int  # current chain length
+    n_fed: int = 0  # nodes of the last proposal fed to the draft model (they sit in the cache)
+    fed_slot: dict[int, int] | None = None  # leaves: tree index -> draft cache slot, where they differ
+    leaf_nodes: set[int] = field(default_factory=set)  # indices of the last proposal's runner-up leaves
 
 
 def check_vocab(target_tok, draft_tok) -> None:
@@ -77,8 +90,6 @@ class DraftModelDrafter(Drafter):
         if not 0 <= leaf_gain <= 1:
             raise HydraspecError(f"leaf gain must be in [0, 1], got {leaf_gain}")
         self.leaves, self.leaf_gain = leaves, leaf_gain
-        self.fed_slot: dict[int, int] | None = None  # tree index -> draft cache slot, when they differ
-        self.leaf_nodes: set[int] = set()  # indices of the last proposal's runner-up leaves
         self.tree_parents = None
         if tree is not None:
             from ..tree import load_tree_spec, parents_from_paths, tree_stop
@@ -93,7 +104,7 @@ class DraftModelDrafter(Drafter):
         self.widths = list(widths) if widths else None
         if self.widths and any(w < 1 for w in self.widths):
             raise HydraspecError("tree widths must be positive integers")
-        self.k0, self.k, self.max_k = k, k, max_k
+        self.k0, self.max_k = k, max_k
         self.dynamic = dynamic and not self.widths and self.tree_parents is None
         if confidence is None:  # on for the chain, off for a static tree unless asked for
             confidence = 0.0 if self.tree_parents is not None else DEFAULT_CONFIDENCE
@@ -114,51 +125,59 @@ class DraftModelDrafter(Drafter):
         if self.leaves and (self.widths or self.tree_parents is not None):
             raise HydraspecError("draft leaves hang on the draft chain only, not on a tree")
         self.max_nodes += self.leaves
+        self.rows: RowStates[DraftSeq] = RowStates(self.start)
+        self.batch = DraftBatch(self)
 
     def _capacity(self, capacity: int) -> int:
         return capacity + self.max_nodes + 1
 
-    def batch_state(self, capacity: int, rows_max: int) -> DraftBatch | None:
-        """Chain mode: one B-row draft cache and one draft forward per depth for every row (DraftBatch).
-        Trees, leaves and subclasses draft row by row (None)."""
-        if type(self) is not DraftModelDrafter or self.widths or self.leaves or self.tree_parents is not None:
-            return None
-        return DraftBatch(self, capacity, rows_max)
+    def _batched(self) -> bool:
+        """Chain mode drafts every row at once (DraftBatch); trees, leaves and subclasses row by row."""
+        return type(self) is DraftModelDrafter and not self.widths and not self.leaves and self.tree_parents is None
+
+    def propose(self, states: list[DecodeState]) -> list[DraftTree]:
+        if self._batched():
+            return self.batch.propose(states)
+        return [self.propose_one(self.rows.of(s), s) for s in states]
+
+    def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
+        if self._batched():
+            self.batch.observe(states, verdicts)
+            return
+        for s, v in zip(states, verdicts):
+            row = self.rows.get(s)
+            if row is not None:
+                self.observe_one(row, v.accepted)
 
     @torch.inference_mode()
-    def start(self, state: DecodeState, capacity: int) -> None:
-        """New cache, then the draft model's own prefill of the prompt (all but the pending token), so
-        that it counts as prefill and the first proposal feeds one token like every later one."""
-        self.cache = new_cache(self.model, self._capacity(capacity))
-        self.n_cached = 0
-        self.k = self.k0
-        self.n_fed = 0
+    def start(self, state: DecodeState) -> DraftSeq:
+        """A sequence's own draft cache, then the draft model's prefill of its prompt (all but the pending
+        token), so that the first proposal feeds one token like every later one."""
+        row = DraftSeq(new_cache(self.model, self._capacity(capacity_of(state))), 0, self.k0)
         toks = state.tokens
         if len(toks) > 1:
             dev = self.model.device
-            forward_nodes(self.model, self.cache, torch.tensor(toks[:-1], dtype=torch.long, device=dev),
+            forward_nodes(self.model, row.cache, torch.tensor(toks[:-1], dtype=torch.long, device=dev),
                           torch.arange(len(toks) - 1, device=dev), None, 0, last_only=True)
-            self.n_cached = len(toks) - 1
+            row.n_cached = len(toks) - 1
+        return row
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         """The draft model's top probability under these logits is below `confidence`."""
         return log_top_prob(logits).item() < self.log_confidence
 
-    def _depth_widths(self) -> list[int]:
-        return self.widths if self.widths else [1] * self.k
-
     @torch.inference_mode()
-    def propose(self, state: DecodeState) -> DraftTree:
+    def propose_one(self, row: DraftSeq, state: DecodeState) -> DraftTree:
         toks = state.tokens
         dev = self.model.device
-        feed = torch.tensor(toks[self.n_cached:], dtype=torch.long, device=dev)
-        pos = torch.arange(self.n_cached, len(toks), device=dev)
-        logits, _ = forward_nodes(self.model, self.cache, feed, pos, None, self.n_cached, last_only=True)
-        self.n_cached = prefix = len(toks)
+        feed = torch.tensor(toks[row.n_cached:], dtype=torch.long, device=dev)
+        pos = torch.arange(row.n_cached, len(toks), device=dev)
+        logits, _ = forward_nodes(self.model, row.cache, feed, pos, None, row.n_cached, last_only=True)
+        row.n_cached = prefix = len(toks)
         sampling, greedy = state.sampling, state.sampling.greedy
         if self.tree_parents is not None:
-            return self._propose_paths(state, logits[-1], prefix)
-        widths = self._depth_widths()
+            return self._propose_paths(row, state, logits[-1], prefix)
+        widths = self.widths if self.widths else [1] * row.k
 
         tokens: list[int] = []
         parents: list[int] = []
@@ -166,7 +185,7 @@ class DraftModelDrafter(Drafter):
         frontier = [(-1, logits[-1])]  # (parent node, logits at that parent)
         fed = 0
         reach = 0.0  # path stop: log of the draft's probability that the chain so far is all accepted
-        self.fed_slot, self.leaf_nodes = None, set()
+        row.fed_slot, row.leaf_nodes = None, set()
         leafy = greedy and self.leaves > 0
         dists: list[torch.Tensor] = []  # chain mode with leaves: logits at each chain position (+ the stop's)
         for depth, width in enumerate(widths):
@@ -198,18 +217,18 @@ class DraftModelDrafter(Drafter):
             anc = None if shape.is_chain else shape.ancestors[fed:len(tokens), :len(tokens)]
             ids = torch.tensor(tokens[fed:], dtype=torch.long, device=dev)
             positions = (prefix + shape.depth[fed:]).to(dev)
-            lg_new, _ = forward_nodes(self.model, self.cache, ids, positions, anc, prefix)
+            lg_new, _ = forward_nodes(self.model, row.cache, ids, positions, anc, prefix)
             frontier = list(zip(new, lg_new))
             fed = len(tokens)
-        self.n_fed = fed
+        row.n_fed = fed
         if leafy:
-            return self._with_leaves(tokens, dists, fed)
+            return self._with_leaves(row, tokens, dists, fed)
         q = None
         if qrows:
             q = torch.stack(qrows)
         return DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents), q)
 
-    def _with_leaves(self, chain: list[int], dists: list[torch.Tensor], fed: int) -> DraftTree:
+    def _with_leaves(self, row: DraftSeq, chain: list[int], dists: list[torch.Tensor], fed: int) -> DraftTree:
         """The greedy chain plus up to `leaves` runner-up leaves (see the class doc), in BFS order.
         dists[j]: the draft's logits the token at chain position j was (or, at j == len(chain), would
         have been) chosen from."""
@@ -240,13 +259,13 @@ class DraftModelDrafter(Drafter):
                 tokens.append(chain[j])
                 parents.append(parent)
             for x in leaves_at.get(j, []):
-                self.leaf_nodes.add(len(tokens))
+                row.leaf_nodes.add(len(tokens))
                 tokens.append(x)
                 parents.append(parent)
-        self.fed_slot = {chain_idx[j]: j for j in range(fed)}
+        row.fed_slot = {chain_idx[j]: j for j in range(fed)}
         return DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents))
 
-    def _propose_paths(self, state: DecodeState, root_logits: torch.Tensor, prefix: int) -> DraftTree:
+    def _propose_paths(self, row: DraftSeq, state: DecodeState, root_logits: torch.Tensor, prefix: int) -> DraftTree:
         """A static tree of rank paths: one draft forward per depth over all nodes of that depth."""
         parents, ranks = self.tree_parents, self.tree_ranks
         shape = shape_of(parents)
@@ -269,7 +288,7 @@ class DraftModelDrafter(Drafter):
             if greedy and d > 0 and self.confidence > 0 and all(self._unsure(row_of[p]) for p in kids):
                 # unsure at every parent of this level (as the chain stops drafting): verify the levels
                 # above only, all of which sit in the draft cache
-                self.n_fed = start
+                row.n_fed = start
                 return DraftTree(torch.tensor(tokens[:start], dtype=torch.long), parents[:start])
             for p, children in kids.items():
                 lg = row_of[p]
@@ -286,31 +305,31 @@ class DraftModelDrafter(Drafter):
                 break
             anc = shape.ancestors[start:end, :end]
             ids = torch.tensor(tokens[start:end], dtype=torch.long, device=dev)
-            lg_new, _ = forward_nodes(self.model, self.cache, ids, (prefix + shape.depth[start:end]).to(dev),
+            lg_new, _ = forward_nodes(self.model, row.cache, ids, (prefix + shape.depth[start:end]).to(dev),
                                       None if shape.is_chain else anc, prefix)
-            for i, row in zip(range(start, end), lg_new):
-                row_of[i] = row
+            for i, lg_i in zip(range(start, end), lg_new):
+                row_of[i] = lg_i
             start = end
-        self.n_fed = start  # nodes of depth < max_d, a BFS prefix, sit in the draft cache in index order
+        row.n_fed = start  # nodes of depth < max_d, a BFS prefix, sit in the draft cache in index order
         if greedy:
             return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
         if not all(drawn):  # fewer tokens with nonzero probability than children: cut the tree
             from .heads import prefix_closed, reindex
 
             keep = prefix_closed(parents, {i for i in range(n) if drawn[i]})
-            self.n_fed = 0  # indices change: keep nothing of this tree in the draft cache
+            row.n_fed = 0  # indices change: keep nothing of this tree in the draft cache
             return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.long), reindex(parents, keep),
                              torch.stack([qrows[i] for i in keep]) if keep else None)
         return DraftTree(torch.tensor(tokens, dtype=torch.long), parents, torch.stack(qrows))
 
-    def observe(self, state: DecodeState, accepted: list[int]) -> None:
-        if self.fed_slot is not None:  # leaves moved the chain's indices: map them to cache slots
-            kept = [self.fed_slot[i] for i in accepted if i in self.fed_slot]
+    def observe_one(self, row: DraftSeq, accepted: list[int]) -> None:
+        if row.fed_slot is not None:  # leaves moved the chain's indices: map them to cache slots
+            kept = [row.fed_slot[i] for i in accepted if i in row.fed_slot]
         else:
-            kept = [i for i in accepted if i < self.n_fed]
-        prefix = self.n_cached
-        self.cache.keep(prefix, torch.tensor(kept, dtype=torch.long))
-        self.n_cached = prefix + len(kept)
+            kept = [i for i in accepted if i < row.n_fed]
+        prefix = row.n_cached
+        row.cache.keep(prefix, torch.tensor(kept, dtype=torch.long))
+        row.n_cached = prefix + len(kept)
         if self.dynamic:
-            self.k = next_length(self.k, len(accepted), self.k, self.max_k)
+            row.k = next_length(row.k, len(accepted), row.k, self.max_k)
 

@@ -28,9 +28,9 @@ from ..errors import HydraspecError
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, shape_of
 from ..verify import forward_nodes
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, RowStates
 from .draft_model import DraftModelDrafter
-from .heads import PrefixInput, full_vocab_logits
+from .heads import PrefixInput, PrefixRow, full_vocab_logits
 
 
 def check_dynamic(nodes: int, depth: int, topk: int, max_depth: int | None = None) -> None:
@@ -155,6 +155,7 @@ class DynamicHeadDrafter(PrefixInput, Drafter):
         self.name = heads.kind
         self.nodes, self.depth, self.topk = nodes, depth, topk
         self.max_nodes = nodes
+        self.prefix_rows: RowStates[PrefixRow] = RowStates(lambda s: PrefixRow())
 
     def _logits(self, d: int, h: torch.Tensor, pending: int, paths: list[list[int]]) -> torch.Tensor:
         """Head d's logits for the children (depth d) of nodes whose token paths are `paths` ([] = root)."""
@@ -163,9 +164,12 @@ class DynamicHeadDrafter(PrefixInput, Drafter):
         ids = torch.tensor([[pending] + p for p in paths], device=h.device)
         return full_vocab_logits(self.heads, self.heads.logits(d, h[None].expand(len(paths), -1), self.embed(ids)).float())
 
+    def propose(self, states: list[DecodeState]) -> list[DraftTree]:
+        return [self.propose_one(s) for s in states]
+
     @torch.inference_mode()
-    def propose(self, state: DecodeState) -> DraftTree:
-        h = self._head_input(state)
+    def propose_one(self, state: DecodeState) -> DraftTree:
+        h = self.head_input(state)
         if h is None:
             return DraftTree.empty()
         s, pending = state.sampling, state.tokens[-1]
@@ -195,7 +199,7 @@ class DynamicDraftModelDrafter(DraftModelDrafter):
     def _capacity(self, capacity: int) -> int:
         return super()._capacity(capacity) + self.topk * self.depth + self.nodes + 1
 
-    def _feeder(self, prefix: int):
+    def _feeder(self, row, prefix: int):
         """Returns feed(tokens_of_new_nodes, fed_parent_of_each) -> logits rows, growing a tree of fed nodes
         (in BFS order) after `prefix` in the draft cache."""
         fed_parents: list[int] = []
@@ -206,25 +210,25 @@ class DynamicDraftModelDrafter(DraftModelDrafter):
             fed_parents.extend(fed_par)
             shape = shape_of(tuple(fed_parents))
             anc = None if shape.is_chain else shape.ancestors[start:, :]
-            lg, _ = forward_nodes(self.model, self.cache, torch.tensor(ids, dtype=torch.long, device=dev),
+            lg, _ = forward_nodes(self.model, row.cache, torch.tensor(ids, dtype=torch.long, device=dev),
                                   (prefix + shape.depth[start:]).to(dev), anc, prefix)
             return lg
 
         return feed
 
     @torch.inference_mode()
-    def propose(self, state: DecodeState) -> DraftTree:
+    def propose_one(self, row, state: DecodeState) -> DraftTree:
         toks, dev = state.tokens, self.model.device
-        feed0 = torch.tensor(toks[self.n_cached:], dtype=torch.long, device=dev)
-        pos = torch.arange(self.n_cached, len(toks), device=dev)
-        logits, _ = forward_nodes(self.model, self.cache, feed0, pos, None, self.n_cached, last_only=True)
-        self.n_cached = prefix = len(toks)
-        self.n_fed = 0  # observe() keeps nothing of the tree in the draft cache
+        feed0 = torch.tensor(toks[row.n_cached:], dtype=torch.long, device=dev)
+        pos = torch.arange(row.n_cached, len(toks), device=dev)
+        logits, _ = forward_nodes(self.model, row.cache, feed0, pos, None, row.n_cached, last_only=True)
+        row.n_cached = prefix = len(toks)
+        row.n_fed = 0  # observe keeps nothing of the tree in the draft cache
         s = state.sampling
         root = logits[-1]
 
         def expander(as_q: bool):
-            feed = self._feeder(prefix)
+            feed = self._feeder(row, prefix)
             fed_of: dict[int, int] = {}  # node -> its index among the fed nodes
 
             def expand(d, nodes, paths, node_parents):
@@ -239,16 +243,16 @@ class DynamicDraftModelDrafter(DraftModelDrafter):
 
         # pass 1: the shape, along the most probable tokens
         parents, _, tokens = grow_dynamic(_logp(s, root), expander(False), self.nodes, self.depth, self.topk)
-        self.cache.keep(prefix, torch.empty(0, dtype=torch.long))
+        row.cache.keep(prefix, torch.empty(0, dtype=torch.long))
         if s.greedy:
             return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
         # pass 2: draw the tokens of that shape
         tree = fill_sampled(parents, s.probs(root), expander(True), state.generator)
-        self.cache.keep(prefix, torch.empty(0, dtype=torch.long))
+        row.cache.keep(prefix, torch.empty(0, dtype=torch.long))
         return tree
 
-    def observe(self, state: DecodeState, accepted: list[int]) -> None:
-        self.cache.keep(self.n_cached, torch.empty(0, dtype=torch.long))
+    def observe_one(self, row, accepted: list[int]) -> None:
+        row.cache.keep(row.n_cached, torch.empty(0, dtype=torch.long))
 
 
 def parse_dynamic(spec) -> bool:

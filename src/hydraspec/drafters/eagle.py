@@ -1,13 +1,25 @@
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import HydraspecError
 from ..heads.eagle import additive, new_cache
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, parents_from_paths, shape_of
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, RowStates
 from .heads import prefix_closed, reindex
+
+
+@dataclass
+class EagleRow:
+    """One sequence's EAGLE head cache: the committed (feature, token) pairs it has read."""
+
+    cache: object
+    fed: int = 0  # positions read
+    seen: torch.Tensor | None = None  # the last new_hidden read (read once)
+    root: torch.Tensor | None = None  # the head's output at the last committed pair
 
 
 class EagleDrafter(Drafter):
@@ -48,39 +60,37 @@ class EagleDrafter(Drafter):
         self.parents, self.ranks, self.shape = parents, ranks, shape
         self.max_nodes = len(parents)
         self.expand = [i for i in range(len(parents)) if shape.children[i]]  # nodes fed to the head (BFS order)
-        self._cache, self._fed, self._seen, self._root = None, 0, None, None
+        self.rows: RowStates[EagleRow] = RowStates(lambda s: EagleRow(new_cache()))
 
-    def start(self, state: DecodeState, capacity: int) -> None:
-        self._cache, self._fed, self._seen, self._root = new_cache(), 0, None, None
+    def propose(self, states: list[DecodeState]) -> list[DraftTree]:
+        return [self.propose_one(self.rows.of(s), s) for s in states]
 
-    def _commit(self, state: DecodeState) -> torch.Tensor | None:
+    def _commit(self, row: EagleRow, state: DecodeState) -> torch.Tensor | None:
         """Feed the head the pairs committed since the last call; returns its output at the last one."""
         new = state.new_hidden
-        if new is None or new is self._seen:
-            return self._root
-        if self._cache is None:
-            self.start(state, 0)
+        if new is None or new is row.seen:
+            return row.root
         end = len(state.tokens) - 1  # committed positions [0, end); tokens[end] is the pending token
-        first = max(end - new.shape[0], self._fed)  # a step that drafted nothing leaves a gap: skipped
+        first = max(end - new.shape[0], row.fed)  # a step that drafted nothing leaves a gap: skipped
         if first < end:
             feats = new[new.shape[0] - (end - first):]
             toks = torch.tensor(state.tokens[first + 1:end + 1], device=feats.device)
             pos = torch.arange(first, end, device=feats.device)
-            out = self.heads.step(feats, self.embed(toks), pos, self._cache)
-            self._root, self._fed = out[-1], end
-        self._seen = new
-        return self._root
+            out = self.heads.step(feats, self.embed(toks), pos, row.cache)
+            row.root, row.fed = out[-1], end
+        row.seen = new
+        return row.root
 
     @torch.inference_mode()
-    def propose(self, state: DecodeState) -> DraftTree:
-        root = self._commit(state)
+    def propose_one(self, row: EagleRow, state: DecodeState) -> DraftTree:
+        root = self._commit(row, state)
         if root is None:
             return DraftTree.empty()
         heads, parents, n = self.heads, self.parents, len(self.parents)
         greedy = state.sampling.greedy
         to_ids = heads.token_ids
         end = len(state.tokens) - 1
-        cached = self._cache.get_seq_length()
+        cached = row.cache.get_seq_length()
         tokens = [0] * n
         qrows: list[torch.Tensor | None] = [None] * n
         prune = greedy and self.min_prob > 0
@@ -131,14 +141,14 @@ class EagleDrafter(Drafter):
                 f = torch.stack([feats[parents[i]] for i in nodes])
                 e = self.embed(torch.tensor([tokens[i] for i in nodes], device=dev))
                 pos = torch.full((len(nodes),), end + d, dtype=torch.long, device=dev)
-                out = heads.step(f, e, pos, self._cache, mask)
+                out = heads.step(f, e, pos, row.cache, mask)
                 for r, i in enumerate(nodes):
                     feats[i], slot[i] = out[r], base + r
                 fill(heads.logits(d + 1, out), [(i, list(self.shape.children[i])) for i in nodes])
         finally:
-            extra = self._cache.get_seq_length() - cached
+            extra = row.cache.get_seq_length() - cached
             if extra:
-                self._cache.crop(-extra)  # the tree's entries go; the committed pairs stay
+                row.cache.crop(-extra)  # the tree's entries go; the committed pairs stay
         if greedy:
             keep = prefix_closed(parents, {i for i in range(n) if alive[i]}) if prune else None
             if keep is not None and len(keep) < n:  # (children of a left-out node were never drafted)

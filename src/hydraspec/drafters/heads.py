@@ -1,38 +1,46 @@
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import HydraspecError
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, parents_from_paths, shape_of
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, RowStates
+
+
+@dataclass
+class PrefixRow:
+    """One sequence's Hydra++ prefix layer: its own cache and its output at the last committed state."""
+
+    cache: object = None
+    length: int = 0
+    fed: torch.Tensor | None = None  # the last new_hidden fed (fed once)
+    last: torch.Tensor | None = None
 
 
 class PrefixInput:
     """What head drafters share: the hidden state the heads read, which for Hydra++ heads is the output
-    of their prefix-attention layer, fed (with its own cache) the states the target commits each step."""
+    of their prefix-attention layer, fed (with each sequence's own cache) the states the target commits."""
 
-    _prefix_cache, _prefix_len, _fed, _last = None, 0, None, None
-
-    def start(self, state: DecodeState, capacity: int) -> None:
-        if getattr(self.heads, "prefix", None) is not None:
-            from ..heads.prefix import new_prefix_cache
-
-            self._prefix_cache, self._prefix_len, self._fed = new_prefix_cache(), 0, None
-
-    def _head_input(self, state: DecodeState) -> torch.Tensor | None:
-        """The hidden state the heads read: the target's, or (Hydra++) the prefix layer's output,
-        after feeding the prefix layer the states the target committed since the last call."""
+    def head_input(self, state: DecodeState) -> torch.Tensor | None:
+        """The hidden state the heads read for ``state``: the target's, or (Hydra++) the prefix layer's
+        output, after feeding the prefix layer the states the target committed since the last call."""
         if getattr(self.heads, "prefix", None) is None or state.hidden is None:
             return state.hidden
+        row = self.prefix_rows.of(state)
         new = state.new_hidden
-        if new is not None and new is not self._fed:
-            if self._prefix_cache is None:
-                self.start(state, 0)
-            out = self.heads.prefix(new, self._prefix_len, self._prefix_cache)
-            self._prefix_len += new.shape[0]
-            self._fed, self._last = new, out[-1]
-        return self._last
+        if new is not None and new is not row.fed:
+            if row.cache is None:
+                from ..heads.prefix import new_prefix_cache
+
+                row.cache = new_prefix_cache()
+            out = self.heads.prefix(new, row.length, row.cache)
+            row.length += new.shape[0]
+            row.fed, row.last = new, out[-1]
+        return row.last
 
 
 def full_vocab_logits(heads, logits: torch.Tensor) -> torch.Tensor:
@@ -79,30 +87,38 @@ class HeadDrafter(PrefixInput, Drafter):
             kids = {p: [i for i in nodes if parents[i] == p] for p in par}
             self.levels.append((par, kids))
         self.paths = [shape.path_to(i) for i in range(len(parents))]
-        self._prefix_cache, self._prefix_len, self._fed = None, 0, None
+        self.prefix_rows: RowStates[PrefixRow] = RowStates(lambda s: PrefixRow())
+        self.by_rows: list[tuple[int, HeadDrafter]] = []  # (batch size, the drafter of that size's tree)
+
+    def with_trees(self, trees: dict[int, list[list[int]]]) -> "HeadDrafter":
+        """This drafter with also a static tree per number of rows: {batch size: paths}."""
+        twin = copy.copy(self)
+        made = [(int(bs), HeadDrafter(self.heads, self.embed, paths)) for bs, paths in trees.items()]
+        twin.by_rows = sorted(made, key=lambda x: x[0])
+        twin.max_nodes = max([self.max_nodes] + [d.max_nodes for _, d in twin.by_rows])
+        twin.prefix_rows = RowStates(lambda s: PrefixRow())
+        return twin
+
+    def for_rows(self, rows: int) -> "HeadDrafter":
+        chosen = self
+        for bs, d in self.by_rows:
+            if bs <= rows:
+                chosen = d
+        return chosen
 
     @torch.inference_mode()
-    def propose_batch(self, states: list[DecodeState], row_drafters=None):
-        """:meth:`propose` for many rows at once (same trees, same tokens, same random draws per row's
-        generator), calling each head once per depth for all rows instead of once per row: the heads'
-        vocabulary projection is read once per depth. ``row_drafters``: each row's own drafter (Hydra++ keeps
-        a row's prefix-layer cache there). None for a subclass with its own :meth:`propose`."""
-        drafter = self
-        if type(drafter).propose is not HeadDrafter.propose or \
-                not all(hasattr(drafter, a) for a in ("levels", "paths", "ranks")):
-            return None  # a subclass with its own proposal is asked row by row
+    def propose(self, states: list[DecodeState]) -> list[DraftTree]:
+        """Every row's tree, each head called once per depth for all rows (the heads' vocabulary projection
+        is read once per depth); each row samples from its own generator. With trees by batch size, the
+        tree of the largest size listed that is not above the number of rows."""
+        drafter = self.for_rows(len(states))
         out: list = [DraftTree.empty() for _ in states]
-        live = [j for j, s in enumerate(states) if s.hidden is not None]
+        H = [self.head_input(s) for s in states]
+        live = [j for j, h in enumerate(H) if h is not None]
         if not live:
             return out
         heads, parents, n = drafter.heads, drafter.parents, len(drafter.parents)
-        if getattr(heads, "prefix", None) is not None:
-            # Hydra++: each row's own drafter keeps that row's prefix-layer cache and gives what the heads read
-            if row_drafters is None:
-                return None
-            H = torch.stack([row_drafters[j]._head_input(states[j]) for j in live])
-        else:
-            H = torch.stack([states[j].hidden for j in live])  # [R, dim]
+        H = torch.stack([H[j] for j in live])  # [R, dim]
         to_ids = getattr(heads, "token_ids", lambda i: i)  # draft vocabulary -> token ids
         to_probs = getattr(heads, "full_probs", lambda p: p)
         greedy = [states[j].sampling.greedy for j in live]  # each row's own sampling settings
@@ -144,48 +160,6 @@ class HeadDrafter(PrefixInput, Drafter):
             else:
                 out[j] = DraftTree(torch.tensor(tokens[r]), parents, torch.stack(qrows[r]))
         return out
-
-    def propose(self, state: DecodeState) -> DraftTree:
-        h = self._head_input(state)
-        if h is None:
-            return DraftTree.empty()
-        greedy = state.sampling.greedy
-        n = len(self.parents)
-        tokens = [0] * n
-        qrows: list[torch.Tensor | None] = [None] * n
-        pending = state.tokens[-1]
-        # heads with a draft vocabulary return logits over it: map ranks to token ids, q to the full vocabulary
-        to_ids = getattr(self.heads, "token_ids", lambda i: i)
-        to_probs = getattr(self.heads, "full_probs", lambda p: p)
-        for d, (par, kids) in enumerate(self.levels):
-            if self.heads.kind == "medusa":
-                lg = self.heads.logits(d, h[None]).float()
-                lg = lg.expand(len(par), -1)
-            else:
-                path_ids = [[pending] + [tokens[j] for j in (self.paths[p] if p >= 0 else [])] for p in par]
-                emb = self.embed(torch.tensor(path_ids, device=h.device))  # [P, d + 1, dim]
-                lg = self.heads.logits(d, h[None].expand(len(par), -1), emb).float()
-            for row, p in enumerate(par):
-                children = kids[p]
-                if greedy:
-                    need = max(self.ranks[c] for c in children) + 1
-                    top = to_ids(torch.topk(lg[row], need).indices).tolist()
-                    for c in children:
-                        tokens[c] = top[self.ranks[c]]
-                else:
-                    probs = to_probs(state.sampling.probs(lg[row]))
-                    draws = sample_without_replacement(probs, len(children), state.generator).tolist()
-                    for c, x in zip(children, draws):
-                        tokens[c] = x
-                        qrows[c] = probs
-        if not greedy:
-            drawn = [i for i in range(n) if qrows[i] is not None]
-            if len(drawn) < n:  # fewer tokens with nonzero probability than children: cut the tree
-                keep = prefix_closed(self.parents, set(drawn))
-                return DraftTree(torch.tensor([tokens[i] for i in keep]), reindex(self.parents, keep),
-                                 torch.stack([qrows[i] for i in keep]) if keep else None)
-            return DraftTree(torch.tensor(tokens), self.parents, torch.stack(qrows))
-        return DraftTree(torch.tensor(tokens), self.parents)
 
 
 def prefix_closed(parents, present: set[int]) -> list[int]:

@@ -1,10 +1,22 @@
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..tree import DraftTree
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, RowStates, Verdict
 from .prompt_lookup import PromptLookupDrafter
+
+
+@dataclass
+class HybridRow:
+    """How one sequence's last tree was made."""
+
+    mode: str = "merge"  # "lookup-only", "lookup", "inner" or "merge"
+    inner_n: int = 0  # nodes that came from the inner drafter (indices before reordering < this)
+    order: list[int] = field(default_factory=list)  # merged BFS position -> index before reordering
+    chain: list[int] = field(default_factory=list)  # indices before reordering of prompt lookup's chain
 
 
 class LookupHybridDrafter(Drafter):
@@ -33,78 +45,91 @@ class LookupHybridDrafter(Drafter):
         self.name = f"pld+{inner.name}"
         self.needs_hidden = inner.needs_hidden
         self.max_nodes = inner.max_nodes + self.lookup.max_nodes
-        self._inner_n = 0  # nodes of the last tree that came from the inner drafter (old indices < this)
-        self._order: list[int] = []  # merged BFS position -> index before reordering
-        self._chain: list[int] = []  # pre-reorder indices of prompt lookup's chain, in order
-        self._mode = "merge"
+        self.rows: RowStates[HybridRow] = RowStates(lambda s: HybridRow())
 
-    def fork(self) -> "LookupHybridDrafter":
-        twin = LookupHybridDrafter(self.inner.fork(), self.lookup.fork(), self.prefer_lookup)
-        twin.name = self.name
-        return twin
+    def propose(self, states: list[DecodeState]) -> list[DraftTree]:
+        chains = [self.lookup.propose([s])[0] if self.prefer_lookup else None for s in states]
+        asks = [j for j, c in enumerate(chains) if c is None or not len(c)]
+        out: list[DraftTree] = list(chains)
+        for j in range(len(states)):
+            if j not in asks:  # the inner drafter is not run this step; it catches up later
+                self.rows.of(states[j]).mode = "lookup-only"
+        trees = self.inner.propose([states[j] for j in asks]) if asks else []
+        for j, tree in zip(asks, trees):
+            s, row = states[j], self.rows.of(states[j])
+            chain = chains[j] if chains[j] is not None else self.lookup.propose([s])[0]
+            if not s.sampling.greedy:
+                row.mode = "lookup" if len(chain) else "inner"
+                out[j] = chain if len(chain) else tree
+            else:
+                row.mode = "merge"
+                out[j] = merge(row, tree, chain)
+        return out
 
-    def start(self, state: DecodeState, capacity: int) -> None:
-        self.inner.start(state, capacity)
-        self.lookup.start(state, capacity)
+    def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
+        inner_s, inner_v = [], []
+        for s, v in zip(states, verdicts):
+            row = self.rows.get(s)
+            if row is None:
+                continue
+            if row.mode == "lookup-only":
+                self.lookup.observe([s], [v])
+                continue
+            if row.mode in ("lookup", "inner"):
+                mine = row.mode == "lookup"
+                self.lookup.observe([s], [v if mine else Verdict([], 0)])
+                inner_s.append(s)
+                inner_v.append(Verdict([], 0) if mine else v)
+                continue
+            lookup_v, inner = split_verdict(row, v)
+            self.lookup.observe([s], [lookup_v])
+            inner_s.append(s)
+            inner_v.append(inner)
+        if inner_s:
+            self.inner.observe(inner_s, inner_v)
 
-    def propose(self, state: DecodeState) -> DraftTree:
-        chain = self.lookup.propose(state) if self.prefer_lookup else None
-        if chain is not None and len(chain):  # the inner drafter is not run this step; it catches up later
-            self._mode = "lookup-only"
-            return chain
-        tree = self.inner.propose(state)
-        if chain is None:
-            chain = self.lookup.propose(state)
-        if not state.sampling.greedy:
-            self._mode = "lookup" if len(chain) else "inner"
-            return chain if len(chain) else tree
-        self._mode = "merge"
-        tokens = tree.tokens.tolist()
-        parents = list(tree.parents)
-        self._inner_n = len(parents)
-        kids: dict[int, dict[int, int]] = {}
-        for i, (t, p) in enumerate(zip(tokens, parents)):
-            kids.setdefault(p, {}).setdefault(t, i)
-        node, path = -1, []
-        for t in chain.tokens.tolist():
-            nxt = kids.get(node, {}).get(t) if node < self._inner_n else None
-            if nxt is None:  # leave the inner tree: append a new node under `node`
-                nxt = len(tokens)
-                tokens.append(t)
-                parents.append(node)
-            path.append(nxt)
-            node = nxt
-        self._chain = path
-        # BFS order again (depth, then index): new nodes go after the inner nodes of their depth
-        depth = []
-        for p in parents:
-            depth.append(0 if p < 0 else depth[p] + 1)
-        order = sorted(range(len(tokens)), key=lambda i: (depth[i], i))
-        pos = {old: new for new, old in enumerate(order)}
-        self._order = order
-        return DraftTree(torch.tensor([tokens[i] for i in order], dtype=torch.long),
-                         tuple(-1 if parents[i] < 0 else pos[parents[i]] for i in order))
 
-    def observe(self, state: DecodeState, accepted: list[int]) -> None:
-        if self._mode == "lookup-only":
-            self.lookup.observe(state, accepted)
-            return
-        if self._mode == "lookup":
-            self.lookup.observe(state, accepted)
-            self.inner.observe(state, [])
-            return
-        if self._mode == "inner":
-            self.inner.observe(state, accepted)
-            self.lookup.observe(state, [])
-            return
-        old = [self._order[i] for i in accepted]
-        n_chain = 0
-        while n_chain < min(len(old), len(self._chain)) and old[n_chain] == self._chain[n_chain]:
-            n_chain += 1
-        self.lookup.observe(state, list(range(n_chain)))
-        inner = []
-        for i in old:  # the inner nodes on the path form its prefix
-            if i >= self._inner_n:
-                break
-            inner.append(i)
-        self.inner.observe(state, inner)
+def merge(row: HybridRow, tree: DraftTree, chain: DraftTree) -> DraftTree:
+    """Prompt lookup's chain walked down the inner tree while its tokens match existing nodes, the rest
+    hung below as a chain; BFS order again (new nodes after the inner nodes of their depth)."""
+    tokens = tree.tokens.tolist()
+    parents = list(tree.parents)
+    row.inner_n = len(parents)
+    kids: dict[int, dict[int, int]] = {}
+    for i, (t, p) in enumerate(zip(tokens, parents)):
+        kids.setdefault(p, {}).setdefault(t, i)
+    node, path = -1, []
+    for t in chain.tokens.tolist():
+        nxt = kids.get(node, {}).get(t) if node < row.inner_n else None
+        if nxt is None:  # leave the inner tree: append a new node under `node`
+            nxt = len(tokens)
+            tokens.append(t)
+            parents.append(node)
+        path.append(nxt)
+        node = nxt
+    row.chain = path
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    order = sorted(range(len(tokens)), key=lambda i: (depth[i], i))
+    pos = {old: new for new, old in enumerate(order)}
+    row.order = order
+    return DraftTree(torch.tensor([tokens[i] for i in order], dtype=torch.long),
+                     tuple(-1 if parents[i] < 0 else pos[parents[i]] for i in order))
+
+
+def split_verdict(row: HybridRow, v: Verdict) -> tuple[Verdict, Verdict]:
+    """A merged tree's verdict as prompt lookup's and the inner drafter's."""
+    old = [row.order[i] for i in v.accepted]
+    n_chain = 0
+    while n_chain < min(len(old), len(row.chain)) and old[n_chain] == row.chain[n_chain]:
+        n_chain += 1
+    seen = set(row.order[: v.verified])
+    inner = []
+    for i in old:  # the inner nodes on the path form its prefix
+        if i >= row.inner_n:
+            break
+        inner.append(i)
+    lookup_seen = sum(1 for i in row.chain if i in seen)
+    inner_seen = sum(1 for i in seen if i < row.inner_n)
+    return Verdict(list(range(n_chain)), lookup_seen), Verdict(inner, inner_seen)

@@ -9,10 +9,12 @@ import sys
 import threading
 import time
 
-from ..batch import BatchGenerator, cache_bytes, gib
+from ..batch import BatchGenerator
+from ..memory import cache_bytes, gib
 from ..errors import HydraspecError
 from ..inputs import context_limit, encode_prompt
-from ..adaptive import AdaptiveDraft, measure_verify_cost, stored_cost_path
+from ..adaptive import AdaptiveDraft
+from ..verify_cost import stored_cost_path
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
 
@@ -34,14 +36,14 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
     capacity = context + bg.max_nodes + 1
     need = bg.estimate_bytes([context] * max_batch, 0)  # capacity slots per row, target + draft model
     bg.check_memory(need, max_batch, None, bg.logits_bytes(max_batch))
-    rule = None
     if adaptive and bg.drafter.max_nodes > 0:
         stored = stored_cost_path(bg.model)
         say(f"the verify cost for the adaptive draft length: read back from {stored}" if stored is not None
             and stored.exists() else "measuring the verify cost for the adaptive draft length ...")
-        rule = AdaptiveDraft(measure_verify_cost(bg.model), bg.max_nodes, cheap=bg.drafter.cheap)
-    engine = bg.engine(max_batch, capacity, draft_cap=rule)
-    if rule is not None:
+    bg.adaptive = adaptive
+    rule = bg.policy(serving=True)
+    engine = bg.engine(max_batch, capacity, policy=rule)
+    if isinstance(rule, AdaptiveDraft):
         say(f"adaptive speculation: {rule.describe()}")
     say(f"KV cache: {max_batch} rows x {capacity} slots = {gib(cache_bytes(bg.model, max_batch, capacity))} "
         f"(target{' + draft model' if need > cache_bytes(bg.model, max_batch, capacity) else ''}: {gib(need)}), "

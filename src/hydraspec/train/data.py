@@ -22,7 +22,6 @@ def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 
     last hidden states of each answered sequence go to ``base_cache`` (a trainer.BaseOutputs), taken from
     the decoding forwards, so that training does not run the base model over them again. Returns how many
     were added."""
-    from ..adaptive import AdaptiveDraft, measure_verify_cost
     from ..batch import BatchGenerator
     from ..drafters import make_drafter
     from ..inputs import encode_prompt
@@ -58,13 +57,9 @@ def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 
                 base_cache.put(rec, res.hidden_states[: base_cache.ids(rec).numel() - 1])
             res.hidden_states = None
 
-        drafter = make_drafter(method) if method != "ar" else None
-        rule = None
-        if drafter is not None and batch_size > 1:  # draft only where the batch's verify forward pays for it
-            rule = AdaptiveDraft(measure_verify_cost(model), drafter.max_nodes, cheap=drafter.cheap)
-        bg = BatchGenerator(model, tokenizer, drafter)
+        bg = BatchGenerator(model, tokenizer, make_drafter(method))  # drafts where the verify forward pays for it
         bg.generate(input_ids=[ids for _, ids in enc], max_new_tokens=max_new_tokens, batch_size=batch_size,
-                    keep_hidden=capture, on_result=finished, adaptive=rule)
+                    keep_hidden=capture, on_result=finished)
     bar.close()
     return added
 

@@ -65,7 +65,7 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
     path are accepted (reported to the drafter, so a draft model keeps them cached) plus the target's
     token, so the catch-up work of the next step is part of the timing (default: nothing accepted)."""
     from ..cache import new_cache
-    from ..drafters.base import DecodeState
+    from ..drafters.base import DecodeState, Verdict
     from ..sampling import Sampling
     from ..verify import forward_nodes
 
@@ -92,8 +92,8 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
         verify = float(np.median(times[1:]))
         drafter = make(paths)
         tokens = list(prefix)
-        state = DecodeState(tokens=tokens, prompt_len=plen, sampling=Sampling(), hidden=hidden, new_hidden=hid)
-        drafter.start(state, len(seq) + max(sizes) + reps + 8)
+        state = DecodeState(tokens=tokens, prompt_len=plen, sampling=Sampling(), hidden=hidden, new_hidden=hid,
+                            capacity=len(seq) + max(sizes) + reps + 8)
         index = {tuple(p): i for i, p in enumerate(paths)}
         chain = []  # node indices of the rank-0 path, as deep as T_n holds it
         while (0,) * (len(chain) + 1) in index:
@@ -103,10 +103,10 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
         for r in range(reps + 1):
             _sync(dev)
             t0 = time.perf_counter()
-            drafter.propose(state)
+            tree = drafter.propose([state])[0]
             _sync(dev)
             dtimes.append(time.perf_counter() - t0)
-            drafter.observe(state, list(acc))
+            drafter.observe([state], [Verdict(list(acc), len(tree))])
             for _ in range(len(acc) + 1):  # the accepted nodes and the target's token, as in decoding
                 state.tokens.append(seq[len(state.tokens) % len(seq)])
         out[n] = (verify, float(np.median(dtimes[1:])))

@@ -1,0 +1,115 @@
+"""How much of each row's draft a step verifies, and the acceptance statistics that decide it.
+
+The engine asks a policy three things each step: :meth:`DraftPolicy.limit` (before drafting: the most draft
+nodes a row may propose at this number of rows; 0 = decode plainly), :meth:`DraftPolicy.cut` (after
+drafting: each row's proposal cut to a BFS prefix) and :meth:`DraftPolicy.update` (after the step: what it
+cost and what each row accepted). Cutting a draft only drops candidates: the output never changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .drafters.base import DecodeState
+from .tree import DraftTree
+
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
+ROW_PRIOR_WEIGHT = 4.0
+
+
+@dataclass
+class RowStep:
+    """What one row's step tells the policy."""
+
+    key: int  # the sequence (DecodeState.key)
+    tokens: list[int]  # its tokens after the step: prompt + answer
+    depth: int  # depth of the verified draft tree (0: nothing drafted was verified)
+    accepted: int  # drafted tokens accepted
+    done: bool
+
+
+@dataclass
+class StepReport:
+    """One engine step: ``rows`` running rows that drafted up to ``drafted`` nodes each took ``seconds`` and
+    emitted ``emitted`` tokens."""
+
+    rows: int
+    drafted: int
+    seconds: float
+    emitted: int
+    row_steps: list[RowStep]
+
+
+class AcceptanceBook:
+    """Per-token acceptance of drafts, accepted / (accepted + misses) (a miss: a row-step whose draft was cut
+    short by a rejection), over all rows from a prior of PRIOR_RATE worth PRIOR_WEIGHT draws, and per row
+    with the overall rate as its prior (worth ROW_PRIOR_WEIGHT draws). A chain that the policy cut before
+    verification is scored later against the tokens decoded since (a shadow): exactly so for greedy rows,
+    as greedy verification accepts the drafts that equal the target's own next tokens."""
+
+    def __init__(self):
+        self.accepted = self.misses = 0
+        self.rows: dict[int, list[int]] = {}  # key -> [accepted, misses]
+        self.shadows: dict[int, tuple[int, list[int]]] = {}  # key -> (where it starts, its tokens)
+
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.accepted + self.misses + PRIOR_WEIGHT)
+
+    def row_rate(self, key: int) -> float:
+        a, m = self.rows.get(key, (0, 0))
+        return (a + self.rate() * ROW_PRIOR_WEIGHT) / (a + m + ROW_PRIOR_WEIGHT)
+
+    def count(self, key: int, accepted: int, miss: int) -> None:
+        self.accepted += accepted
+        self.misses += miss
+        row = self.rows.setdefault(key, [0, 0])
+        row[0] += accepted
+        row[1] += miss
+
+    def shadow(self, key: int, at: int, tokens: list[int]) -> None:
+        self.shadows.setdefault(key, (at, tokens))
+
+    def update(self, steps: list[RowStep]) -> None:
+        for s in steps:
+            if s.key in self.shadows:
+                self._score_shadow(s)
+            elif s.depth:
+                self.count(s.key, s.accepted, int(s.accepted < s.depth))
+            if s.done:
+                self.rows.pop(s.key, None)
+                self.shadows.pop(s.key, None)
+
+    def _score_shadow(self, s: RowStep) -> None:
+        at, tokens = self.shadows[s.key]
+        seen = s.tokens[at:]
+        m = 0
+        while m < min(len(seen), len(tokens)) and seen[m] == tokens[m]:
+            m += 1
+        if m == len(tokens) or m < len(seen):  # all of it would have been accepted, or a token differs
+            self.count(s.key, m, int(m < len(tokens)))
+            del self.shadows[s.key]
+
+
+class DraftPolicy:
+    """The default policy: every proposal is verified whole."""
+
+    def limit(self, rows: int) -> int | None:
+        """The most draft nodes a row may propose this step at ``rows`` rows (None: no limit; 0: none)."""
+        return None
+
+    def cut(self, trees: list[DraftTree], states: list[DecodeState]) -> list[DraftTree]:
+        """Each row's proposal as it will be verified (a BFS prefix of it)."""
+        return trees
+
+    def update(self, report: StepReport) -> None:
+        """What the step cost and what each row accepted."""
+
+
+class BudgetPolicy(DraftPolicy):
+    """A cap on the tokens one verify forward holds over the whole batch: each row's draft is cut to
+    max(1, budget // rows - 1) nodes."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+
+    def limit(self, rows: int) -> int | None:
+        return max(1, self.budget // rows - 1)
