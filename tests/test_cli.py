@@ -59,7 +59,7 @@ def test_draft_and_ar_agree_through_the_cli(saved, capsys):
     (["--model", "/no/such/model/dir", "--prompt", "w1"], "cannot load model"),
     (["--prompt", "   "], "the prompt is empty"),
     (["--prompt", "w1", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
-    (["--prompt", "w1", "--method", "beam"], "unknown method 'beam'; known: ar, draft, pld, medusa, hydra"),
+    (["--prompt", "w1", "--method", "beam"], "unknown method 'beam'; known: ar, auto, draft, pld, suffix, medusa, hydra"),
     (["--prompt", "w1", "--method", "draft"], "needs --draft-model"),
     (["--prompt", "w1", "--method", "draft", "--draft-model", "OTHER"], "incompatible"),
     (["--prompt-file", "/no/such/file.txt"], "cannot read prompt file"),

@@ -50,6 +50,12 @@ def drafter(method):
 
         return make_drafter("pld+hydra++", heads=heads("hydra++"), embed=target().get_input_embeddings(), tree=TREE,
                             pld_tokens=5, pld_min_ngram=1)
+    if method == "auto":  # extra verify tokens free here, so predictions and lookups always pay
+        from hydraspec.drafters.auto import AutoDrafter
+        from hydraspec.drafters.prediction import PredictionDrafter
+
+        return AutoDrafter({"prediction": PredictionDrafter(), "pld": make_drafter("pld", dynamic=False)},
+                           {1: 1.0, 64: 1.0})
     return make_drafter("ar")
 
 
@@ -239,6 +245,32 @@ def test_sampling_with_a_seed_repeats_and_differs_from_greedy():
         assert a == b and a != g
 
 
+def test_predicted_outputs_through_the_openai_client():
+    """prediction= on both endpoints: the answer is the one without it, and usage reports how many predicted
+    tokens were accepted and rejected; a prediction that is mostly right is mostly accepted."""
+    want = single("ar", PROMPTS[1], 24)
+    with server("auto") as (base, _):
+        c = client(base)
+        plain = chat(c, PROMPTS[1], 24)
+        assert plain.choices[0].message.content == want
+        assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+        right = chat(c, PROMPTS[1], 24, prediction={"type": "content", "content": want})
+        d = right.usage.completion_tokens_details
+        assert right.choices[0].message.content == want and d.accepted_prediction_tokens >= 20
+        assert right.usage.model_extra["mean_accepted_tokens_per_forward"] > 3
+        words = want.split()
+        edited = " ".join(words[:8] + ["w99", "w98"] + words[10:])
+        parts = [{"type": "text", "text": edited[:10]}, {"type": "text", "text": edited[10:]}]
+        r = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                 extra_body={"prediction": {"type": "content", "content": parts}})
+        assert r.choices[0].text == SpeculativeGenerator(target(), tokenizer()).generate(
+            PROMPTS[1], max_new_tokens=24, chat=False).text
+        d = r.usage.completion_tokens_details
+        assert d.rejected_prediction_tokens > 0 and d.accepted_prediction_tokens > 0
+        with pytest.raises(openai.BadRequestError, match="prediction.type"):
+            chat(c, PROMPTS[1], 4, prediction={"type": "other", "content": "x"})
+
+
 def test_adaptive_rule_drafts_less_when_verify_cost_grows():
     from hydraspec.adaptive import AdaptiveDraft
 
@@ -256,20 +288,18 @@ def test_adaptive_rule_widths_per_row():
     """After drafting, the rule cuts each row's proposal to what pays for its verify tokens: packed, a row that
     accepts well keeps more than one that rarely does (and a row that proposed nothing costs nothing);
     padded, one common length; nothing when extra tokens cost as much as whole steps."""
-    from types import SimpleNamespace
-
     from hydraspec.adaptive import AdaptiveDraft
 
     cost = {1: 1.0, 4: 1.0, 8: 1.2, 16: 2.0, 32: 4.0}  # 8 tokens cheap, then 0.1 a token
-    rule = AdaptiveDraft(cost, 8, engine=SimpleNamespace(packed=True, rate=lambda: 0.5), cheap=True)
+    rule = AdaptiveDraft(cost, 8, packed=True, cheap=True)
     keep = rule.widths(4, [8, 8, 0, 3], [0.95, 0.3, 0.9, 0.9])
     assert keep[0] > keep[1] and keep[2] == 0 and keep[3] == 3 and sum(keep) <= 12
     assert rule.widths(4, [0, 0, 0, 0], [0.9] * 4) == [0, 0, 0, 0]
-    assert rule(4) == 8  # a cheap drafter always proposes; widths() then cuts
-    padded = AdaptiveDraft(cost, 8, engine=SimpleNamespace(packed=False, rate=lambda: 0.5))
+    assert rule.limit(4) == 8  # a cheap drafter always proposes; widths() then cuts
+    padded = AdaptiveDraft(cost, 8, packed=False)
     keep = padded.widths(4, [8, 8, 0, 3], [0.95, 0.3, 0.9, 0.9])
     assert len(set(k for k, n in zip(keep, [8, 8, 0, 3]) if k < n)) <= 1 and max(keep) <= 1  # 4 rows x 2 = 8
-    steep = AdaptiveDraft({1: 1.0, 2: 2.0, 4: 4.0}, 8, engine=SimpleNamespace(packed=True, rate=lambda: 0.5))
+    steep = AdaptiveDraft({1: 1.0, 2: 2.0, 4: 4.0}, 8, packed=True)
     assert steep.widths(2, [5, 5], [0.99, 0.99]) == [0, 0]
 
 
@@ -284,7 +314,7 @@ def test_adaptive_rule_stops_drafting_where_the_clock_says_it_loses():
     def run(rows, steps):
         ks = []
         for _ in range(steps):
-            k = rule(rows)
+            k = rule.limit(rows)
             plain_s, draft_s = clock[rows]
             rule.observe(rows, k, draft_s if k else plain_s, rows * (2 if k else 1))  # drafting emits 2 a row
             ks.append(k)
@@ -292,14 +322,14 @@ def test_adaptive_rule_stops_drafting_where_the_clock_says_it_loses():
 
     early = run(4, PROBE_EVERY * MIN_STEPS)
     assert early.count(0) >= MIN_STEPS and rule.drafting_loses(4)  # 4 rows: 178 tokens/s drafting, 200 plain
-    assert rule.drafting_loses(8) and rule(8) == 0  # more rows, not measured yet: taken to lose as well
+    assert rule.drafting_loses(8) and rule.limit(8) == 0  # more rows, not measured yet: taken to lose as well
     late = run(4, 10 * PROBE_EVERY)
     assert late.count(4) == 10 and late.count(0) == 9 * PROBE_EVERY  # plain, one probe in PROBE_EVERY
     ones = run(1, 20 * PROBE_EVERY)
     assert not rule.drafting_loses(1) and ones.count(4) > 0.9 * len(ones)  # 1 row: 250 vs 100 tokens/s
     assert "measured" in rule.describe()
     unchecked = AdaptiveDraft({1: 1.0, 32: 1.0}, 4, check=False)
-    assert all(unchecked(4) == 4 for _ in range(3 * PROBE_EVERY))
+    assert all(unchecked.limit(4) == 4 for _ in range(3 * PROBE_EVERY))
 
 
 def test_bench_serve_measures_a_real_server(tmp_path):

@@ -62,6 +62,12 @@ def add_method_args(p) -> None:
     p.add_argument("--pld-min-ngram", type=int, default=2, help="shortest n-gram it matches (default 2)")
 
 
+METHOD_HELP = ("auto (default: per request and step, whichever drafter is expected to pay most, or none: prompt "
+               "lookup, suffix decoding, predictions, and --draft-model / --heads where given) | ar | draft | pld | "
+               "suffix | medusa | hydra | hydra++ | eagle | pld+draft | pld+medusa | pld+hydra | pld+hydra++ | "
+               "pld+eagle")
+
+
 def add_sampling_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -98,6 +104,8 @@ def build_drafter(args, target_tok, draft=None, model=None):
     if method == "pld":
         return make_drafter("pld", num_tokens=args.pld_tokens, max_ngram=args.pld_ngram,
                             min_ngram=args.pld_min_ngram)
+    if method == "auto":
+        return _auto_drafter(args, target_tok, draft, model)
     if method == "pld+draft":
         from .drafters.hybrid import LookupHybridDrafter
         from .drafters.prompt_lookup import PromptLookupDrafter
@@ -107,6 +115,23 @@ def build_drafter(args, target_tok, draft=None, model=None):
     if method == "draft":
         return _draft_drafter(args, target_tok, draft, method)
     return make_drafter("ar")
+
+
+def _auto_drafter(args, target_tok, draft, model):
+    """Prompt lookup, suffix decoding and predictions, plus the draft model and heads where given."""
+    from .drafters import make_auto, make_drafter
+
+    costly = {}
+    if draft is not None:
+        costly["draft"] = _draft_drafter(args, target_tok, draft, "auto")
+    if getattr(args, "heads", None):
+        from .heads import load_heads
+
+        heads, cfg = load_heads(args.heads, model, base_model=args.model)
+        costly[heads.kind] = make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(),
+                                          tree=cfg.get("default_tree"))
+    return make_auto(model, costly, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,
+                     pld_min_ngram=args.pld_min_ngram)
 
 
 def _draft_drafter(args, target_tok, draft, method: str):
@@ -154,35 +179,51 @@ def _widths(text: str) -> list[int]:
     return w
 
 
-def cmd_generate_batch(args) -> int:
-    """`hydraspec generate --prompt-file FILE --batch-size B`: every prompt of the file, B at a time."""
-    import torch
-
-    from .batch import BatchGenerator, gib, load_batch_trees, read_prompt_lines
-    from .models import compile_models, load_draft_model, load_model
-
-    if args.batch_size < 1:
-        raise HydraspecError(f"--batch-size must be at least 1, got {args.batch_size}")
-    prompts = read_prompt_lines(args.prompt_file) if args.prompt_file else [args.prompt]
-    if any(isinstance(p, str) and not p.strip() for p in prompts):
-        raise HydraspecError("the prompt is empty")
+def check_method(args) -> None:
+    """Refuse a method that does not exist or lacks what it needs, before anything is loaded."""
     from .drafters import DRAFT_METHODS, HEAD_METHODS, METHODS
 
     if args.method not in METHODS:
         raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
     if args.method in DRAFT_METHODS and not args.draft_model:
         raise HydraspecError(f"method '{args.method}' needs --draft-model")
-    if args.method in HEAD_METHODS and not args.heads:
+    if args.method.removeprefix("pld+") in HEAD_METHODS and not args.heads:
         raise HydraspecError(f"method '{args.method}' needs --heads DIR")
-    trees = load_batch_trees(getattr(args, "batch_trees", None))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+def load_stack(args, threads: int | None = None):
+    """Model, tokenizer and drafter for a command's --model, --draft-model, --heads and --method: loaded,
+    compiled as --compile asks (both models loaded first: peak memory), the drafter built."""
+    import torch
+
+    from .drafters import DRAFT_METHODS, HEAD_METHODS
+    from .models import compile_models, load_draft_model, load_model
+
+    check_method(args)
+    torch.set_num_threads(threads or thread_count())
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    wants_draft = args.method in DRAFT_METHODS or (args.method == "auto" and args.draft_model)
     draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
-        if args.method in DRAFT_METHODS else None
-    compile_models(model, draft[0] if draft else None, how=args.compile,
-                   hidden=args.method.removeprefix("pld+") in HEAD_METHODS)
-    drafter = build_drafter(args, tok, draft, model)
+                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if wants_draft else None
+    heads = args.method.removeprefix("pld+") in HEAD_METHODS or (args.method == "auto" and getattr(args, "heads", None))
+    compile_models(model, draft[0] if draft else None, how=args.compile, hidden=bool(heads))
+    return model, tok, build_drafter(args, tok, draft, model)
+
+
+def cmd_generate_batch(args) -> int:
+    """`hydraspec generate --prompt-file FILE --batch-size B`: every prompt of the file, B at a time."""
+    from .batch import BatchGenerator
+    from .inputs import load_batch_trees, read_prompt_lines
+    from .memory import gib
+
+    if args.batch_size < 1:
+        raise HydraspecError(f"--batch-size must be at least 1, got {args.batch_size}")
+    prompts = read_prompt_lines(args.prompt_file) if args.prompt_file else [args.prompt]
+    if any(isinstance(p, str) and not p.strip() for p in prompts):
+        raise HydraspecError("the prompt is empty")
+    check_method(args)
+    trees = load_batch_trees(getattr(args, "batch_trees", None))
+    model, tok, drafter = load_stack(args, threads=max(1, os.cpu_count() or 1))
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor, trees=trees,
                         verify_budget=getattr(args, "verify_budget", None))
     kept: dict[int, list[int]] = {}
@@ -211,49 +252,27 @@ def cmd_generate_batch(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
     from .generator import SpeculativeGenerator
-    from .models import compile_models, load_draft_model, load_model
 
     if args.max_new_tokens <= 0:
         raise HydraspecError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if getattr(args, "batch_size", None) is not None:
         return cmd_generate_batch(args)
-    if args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except OSError as e:
-            raise HydraspecError(f"cannot read prompt file '{args.prompt_file}': {e.strerror}") from None
-    else:
-        prompt = args.prompt
+    prompt = read_text(args.prompt_file, "prompt file") if args.prompt_file else args.prompt
     if not prompt or not prompt.strip():
         raise HydraspecError("the prompt is empty")
-    from .drafters import DRAFT_METHODS, HEAD_METHODS, METHODS
-
-    if args.method not in METHODS:
-        raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
-    if args.method in DRAFT_METHODS and not args.draft_model:
-        raise HydraspecError(f"method '{args.method}' needs --draft-model")
-    if args.method.removeprefix("pld+") in HEAD_METHODS and not args.heads:
-        raise HydraspecError(f"method '{args.method}' needs --heads DIR")
-    torch.set_num_threads(thread_count())
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    draft = load_draft_model(args.draft_model, args.dtype, args.device, args.draft_quant,
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) \
-        if args.method in DRAFT_METHODS else None
-    compile_models(model, draft[0] if draft else None, how=args.compile,
-                   hidden=args.method.removeprefix("pld+") in HEAD_METHODS)
-    drafter = build_drafter(args, tok, draft, model)
+    prediction = read_text(args.prediction_file, "prediction file") if getattr(args, "prediction_file", None) else None
+    model, tok, drafter = load_stack(args)
     gen = SpeculativeGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     streamer = None
     if args.stream and not args.json:
         from transformers import TextStreamer
 
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    pred = tok(prediction, add_special_tokens=False)["input_ids"] if prediction else None
     res = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, streamer=streamer)
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, streamer=streamer,
+                       prediction=pred)
     s = res.stats
     if args.json:
         out = {"method": args.method, "model": args.model, "draft_model": args.draft_model, "text": res.text,
@@ -265,6 +284,14 @@ def cmd_generate(args) -> int:
         print(f"\n[{args.method}] {s.new_tokens} tokens in {s.wall_s:.2f} s = {s.tokens_per_s:.2f} tokens/s; "
               f"{s.target_forwards} target forwards, {s.mean_accepted:.2f} tokens per forward", file=sys.stderr)
     return 0
+
+
+def read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise HydraspecError(f"cannot read {what} '{path}': {e.strerror}") from None
 
 
 def cmd_models(args) -> int:
@@ -491,26 +518,15 @@ def cmd_demo(args) -> int:
 
 def cmd_serve(args) -> int:
     """`hydraspec serve`: an OpenAI-compatible server on the engine."""
-    import torch
-
     from .batch import BatchGenerator
-    from .drafters import DRAFT_METHODS, HEAD_METHODS, METHODS
-    from .models import compile_models, load_draft_model, load_model
 
-    if args.method not in METHODS:
-        raise HydraspecError(f"unknown method '{args.method}'; known: {', '.join(METHODS)}")
+    check_method(args)
     try:
         from .serve.server import build_server, run
     except ImportError as e:
         raise HydraspecError(f"hydraspec serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") \
             from None
-    torch.set_num_threads(args.threads or thread_count())
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
-                             vocab=getattr(args, "draft_vocab", None), tokenizer=tok) if args.method in DRAFT_METHODS else None
-    compile_models(model, draft[0] if draft else None, how=args.compile,
-                   hidden=args.method.removeprefix("pld+") in HEAD_METHODS)
-    drafter = build_drafter(args, tok, draft, model)
+    model, tok, drafter = load_stack(args, threads=args.threads)
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
                                   max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
@@ -527,8 +543,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer one prompt")
     add_model_args(g)
-    g.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++ | "
-                   "pld+medusa | pld+hydra | pld+hydra++ (prompt lookup merged into the heads' tree)")
+    g.add_argument("--method", default="auto", help=METHOD_HELP)
+    g.add_argument("--prediction-file", help="a text the answer is expected to mostly repeat (predicted outputs: "
+                                             "a draft source of the auto method; the answer does not change)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
@@ -657,7 +674,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching, adaptive speculation)")
     add_model_args(s, compile_default="auto")
-    s.add_argument("--method", default="ar", help="ar | draft | pld | medusa | hydra | hydra++ | eagle | pld+...")
+    s.add_argument("--method", default="auto", help=METHOD_HELP)
     add_method_args(s)
     s.add_argument("--acceptor", default="auto", choices=ACCEPTOR_CHOICES,
                    help="auto: greedy at temperature 0, else lossless; typical does not preserve the distribution")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from . import llamacpp  # noqa: F401  (registers the llamacpp-* baselines)
+from . import openvino  # noqa: F401  (registers the ov-* baselines; OpenVINO GenAI is optional)
 from .methods import METHODS, BenchContext, MethodSpec, Runner, TurnResult, parse_methods, register
 from .prompts import Question, load_prompt_file, load_questions
 from .runner import run_bench
@@ -54,6 +55,8 @@ def add_parser(subparsers):
                    help="leave out the first N questions of each category (e.g. the ones build-tree or "
                         "train-heads used: --skip there, --limit here, or the other way round)")
     p.add_argument("--categories", metavar="A,B", help="comma-separated categories to keep (default: all)")
+    p.add_argument("--turns", type=int, default=None, metavar="N",
+                   help="only the first N turns of each question (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples (top-p/top-k off) and answers are not compared")

@@ -68,6 +68,8 @@ class MethodSpec:
     needs_heads: bool = False
     settings: tuple[str, ...] = ()  # args attributes that change this method's answers or speed
     tree: str | None = None  # a 'NAME@TREE' variant: its own --tree ('default': the drafter's own)
+    takes_draft: bool = False  # uses --draft-model where one is given
+    predicts: bool = False  # its runner takes a question's prediction (predicted outputs)
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -165,10 +167,11 @@ class EngineRunner(Runner):
         self.gen = SpeculativeGenerator(ctx.model, ctx.tokenizer, drafter=drafter)
         self.device = ctx.model.device
 
-    def generate(self, ids, max_new_tokens, temperature, seed):
+    def generate(self, ids, max_new_tokens, temperature, seed, prediction=None):
         sync(self.device)
         t0 = time.perf_counter()
-        res = self.gen.generate(input_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        res = self.gen.generate(input_ids=ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                prediction=prediction)
         sync(self.device)
         wall = time.perf_counter() - t0
         s = res.stats
@@ -185,6 +188,8 @@ def _engine(method: str):
         a = ctx.args
         if method == "pld":
             drafter = make_drafter("pld", num_tokens=a.pld_tokens)
+        elif method == "auto":
+            drafter = _auto(ctx)
         elif method in DRAFT_METHODS:
             if ctx.draft is None:
                 raise HydraspecError(f"method '{method}' needs --draft-model")
@@ -212,6 +217,21 @@ def _engine(method: str):
         return EngineRunner(ctx, drafter)
 
     return factory
+
+
+def _auto(ctx: BenchContext):
+    """The auto method's drafter: prompt lookup, suffix decoding, predictions, and the draft model where given."""
+    from ..drafters import make_auto, make_drafter
+    from ..options import shipped_tree_for
+
+    costly = {}
+    if ctx.draft is not None:
+        dm, dtok = ctx.draft
+        shipped = shipped_tree_for(ctx.args)
+        opts = {"tree": shipped} if shipped is not None else {}
+        costly["draft"] = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
+                                       **opts)
+    return make_auto(ctx.model, costly, pld_tokens=ctx.args.pld_tokens)
 
 
 def _tree_options(a, max_depth: int | None = None) -> dict:
@@ -347,6 +367,10 @@ register(MethodSpec("draft", _engine("draft"), "hydraspec with a draft model (--
                               "tree_depth", "tree_topk")))
 register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--pld-tokens)",
                     settings=("pld_tokens",)))
+register(MethodSpec("suffix", _engine("suffix"), "hydraspec suffix decoding (the sequence and earlier answers)"))
+register(MethodSpec("auto", _engine("auto"), "hydraspec's drafter chosen per request and step by measured payoff: "
+                                              "prompt lookup, suffix decoding, predictions, the draft model if given",
+                    settings=("draft_model", "pld_tokens"), takes_draft=True, predicts=True))
 register(MethodSpec("pld+draft", _engine("pld+draft"), "hydraspec prompt lookup where it matches, else the draft model "
                                                         "(--draft-model, --pld-tokens)",
                     needs_draft=True,

@@ -1,6 +1,7 @@
 """Benchmark prompt files in the Spec-Bench / MT-Bench format.
 
-One JSON object a line: {"question_id": ..., "category": ..., "turns": ["user turn 1", ...]}; other keys
+One JSON object a line: {"question_id": ..., "category": ..., "turns": ["user turn 1", ...]}, optionally
+"prediction": a text the first answer is expected to mostly repeat (OpenAI's predicted outputs); other keys
 (e.g. "reference") are ignored and blank lines are skipped. A missing or empty category becomes the
 file's stem; a missing question_id becomes the question's 0-based position in its file. question_id
 must be unique within a file; when several files are combined every id is prefixed with its file's
@@ -21,6 +22,7 @@ class Question:
     category: str
     turns: tuple[str, ...]
     source: str  # the file's stem
+    prediction: str | None = None  # text the first answer is expected to mostly repeat (predicted outputs)
 
 
 def load_prompt_file(path: str | Path) -> list[Question]:
@@ -61,7 +63,10 @@ def load_prompt_file(path: str | Path) -> list[Question]:
         category = obj.get("category")
         if category is not None and not isinstance(category, str):
             raise HydraspecError(f"{where}: 'category' must be a string")
-        out.append(Question(qid, category or stem, tuple(turns), stem))
+        prediction = obj.get("prediction")
+        if prediction is not None and not isinstance(prediction, str):
+            raise HydraspecError(f"{where}: 'prediction' must be a string")
+        out.append(Question(qid, category or stem, tuple(turns), stem, prediction))
     return out
 
 
@@ -84,7 +89,7 @@ def load_questions(paths, limit: int | None = None, categories=None, skip: int =
                 raise HydraspecError(f"prompt files '{stems[p.stem]}' and '{p}' have the same name '{p.stem}'; "
                                      "question ids are prefixed with the file name, so names must differ")
             stems[p.stem] = p
-            qs = [Question(f"{q.source}-{q.question_id}", q.category, q.turns, q.source) for q in qs]
+            qs = [Question(f"{q.source}-{q.question_id}", q.category, q.turns, q.source, q.prediction) for q in qs]
         questions.extend(qs)
     if categories:
         wanted = list(dict.fromkeys(categories))

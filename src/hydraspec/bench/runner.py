@@ -24,7 +24,7 @@ def settings_of(args) -> dict:
         "temperature": float(args.temperature), "seed": args.seed, "draft_k": args.draft_k,
         "draft_quant": getattr(args, "draft_quant", "none"), "draft_vocab": getattr(args, "draft_vocab", None),
         "pld_tokens": args.pld_tokens, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
-        "skip": getattr(args, "skip", 0),
+        "skip": getattr(args, "skip", 0), "turns": getattr(args, "turns", None),
         "categories": split_list(args.categories), "methods": parse_methods(args.methods),
     }
 
@@ -70,7 +70,7 @@ def run_bench(args, loader=None) -> int:
         device = str(model.device)
         working = list(dict.fromkeys(m for _, ms in pending for m in ms))
         draft = None
-        if any(METHODS[m].needs_draft for m in working):
+        if any(METHODS[m].needs_draft or (METHODS[m].takes_draft and args.draft_model) for m in working):
             draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                                      loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
         # compiled once both are loaded (peak memory: models.compile_models)
@@ -88,6 +88,9 @@ def run_bench(args, loader=None) -> int:
         def answer(m, q, t, messages, max_new):
             try:
                 ids = encoder.encode(messages)
+                if t == 0 and q.prediction and METHODS[m].predicts:
+                    pred = tok(q.prediction, add_special_tokens=False)["input_ids"]
+                    return runners[m].generate(ids, max_new, float(args.temperature), seed, prediction=pred)
                 return runners[m].generate(ids, max_new, float(args.temperature), seed)
             except HydraspecError as e:
                 raise HydraspecError(f"{m} on question {q.question_id!r} turn {t + 1}: {e}") from None
@@ -101,13 +104,14 @@ def run_bench(args, loader=None) -> int:
             for q, ms in pending:
                 convs = {m: [] for m in ms}
                 turns = {m: [] for m in ms}
-                for t, user in enumerate(q.turns):
+                asked = q.turns[:args.turns] if getattr(args, "turns", None) else q.turns
+                for t, user in enumerate(asked):
                     for m in ms:  # interleaved: every method on this turn back to back
                         convs[m].append({"role": "user", "content": user})
                         r = answer(m, q, t, convs[m], args.max_new_tokens)
                         convs[m].append({"role": "assistant", "content": r.text})  # its own answer
                         turns[m].append({"turn": t, **r.to_dict()})
-                        if t == len(q.turns) - 1:
+                        if t == len(asked) - 1:
                             store.append({"method": m, "question_id": q.question_id, "category": q.category,
                                           "source": q.source, "settings": method_settings(m, args),
                                           "tstamp": time.time(), "turns": turns[m]})

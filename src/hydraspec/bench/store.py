@@ -11,7 +11,7 @@ from ..errors import HydraspecError
 
 FORMAT = 1
 # settings that must match for a rerun to add to an --out directory; seed only matters when sampling
-CORE_KEYS = ("model", "dtype", "device", "max_new_tokens", "temperature", "seed")
+CORE_KEYS = ("model", "dtype", "device", "max_new_tokens", "temperature", "seed", "turns")
 
 
 def _norm(x):

@@ -4,9 +4,26 @@ from ..errors import HydraspecError
 from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
 from .prompt_lookup import PromptLookupDrafter
+from .suffix import SuffixDrafter
 
-METHODS = ("ar", "draft", "pld", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa", "pld+hydra",
-           "pld+hydra++", "pld+eagle")
+
+def make_auto(target, costly: dict[str, Drafter] | None = None, pld_tokens: int = 10, pld_ngram: int = 3,
+              pld_min_ngram: int = 2) -> Drafter:
+    """The ``auto`` method: prompt lookup, suffix decoding and predicted outputs always, plus ``costly``
+    drafters (a draft model, heads), chosen per sequence and step by measured payoff (drafters.auto).
+    ``target``: the model whose verify cost is measured (once, at the first proposal)."""
+    from ..verify_cost import SIZES, measure_verify_cost
+    from .auto import AutoDrafter
+    from .prediction import PredictionDrafter
+
+    subs: dict[str, Drafter] = {
+        "pld": PromptLookupDrafter(num_tokens=pld_tokens, max_ngram=pld_ngram, min_ngram=pld_min_ngram, dynamic=False),
+        "suffix": SuffixDrafter(), "prediction": PredictionDrafter()}
+    subs.update(costly or {})
+    return AutoDrafter(subs, lambda: measure_verify_cost(target, sizes=SIZES))
+
+METHODS = ("ar", "auto", "draft", "pld", "suffix", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa",
+           "pld+hydra", "pld+hydra++", "pld+eagle")
 HEAD_METHODS = ("medusa", "hydra", "hydra++", "eagle")
 DRAFT_METHODS = ("draft", "pld+draft")  # the methods that need a draft model
 
@@ -42,6 +59,8 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         return NoDrafter()
     if method == "pld":
         return PromptLookupDrafter(**options)
+    if method == "suffix":
+        return SuffixDrafter(**options)
     if method == "draft":
         if draft_model is None:
             raise HydraspecError("method 'draft' needs a draft model (--draft-model)")

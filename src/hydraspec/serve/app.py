@@ -60,6 +60,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
+    prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs: {"type": "content", "content": ...}
 
 
 class ChatMessage(BaseModel):
@@ -77,17 +78,31 @@ class CompletionRequest(_Sampling):
 
 
 def _text_content(m: ChatMessage) -> str:
-    if m.content is None:
+    return _text(m.content, "messages")
+
+
+def _text(content, param: str) -> str:
+    """A content string, or the text of a list of {"type": "text", "text": ...} parts."""
+    if content is None:
         return ""
-    if isinstance(m.content, str):
-        return m.content
+    if isinstance(content, str):
+        return content
     parts = []
-    for p in m.content:
-        if p.get("type") != "text":
-            raise ApiError(400, f"message content of type {p.get('type')!r} is not supported (text only)",
-                           param="messages")
+    for p in content:
+        if not isinstance(p, dict) or p.get("type") != "text":
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            raise ApiError(400, f"content of type {kind!r} is not supported (text only)", param=param)
         parts.append(str(p.get("text", "")))
     return "".join(parts)
+
+
+def prediction_text(prediction: dict | None) -> str | None:
+    """The text of a predicted output ({"type": "content", "content": str or text parts}), or None."""
+    if prediction is None:
+        return None
+    if prediction.get("type") != "content":
+        raise ApiError(400, "prediction.type must be 'content'", param="prediction")
+    return _text(prediction.get("content"), "prediction") or None
 
 
 # -- the app -------------------------------------------------------------------------------------------
@@ -189,16 +204,20 @@ def create_app(worker: EngineWorker, tokenizer, encode, config: ServerConfig, st
         if len(stops) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
         sampling = Sampling(body.temperature, body.top_k, body.top_p)
+        predicted = prediction_text(body.prediction)
+        pred = tokenizer(predicted, add_special_tokens=False)["input_ids"] if predicted else None
         return Request(ids=ids, max_new_tokens=max_tokens, sampling=sampling, seed=body.seed,
-                       stops=[s for s in stops if s])
+                       stops=[s for s in stops if s], prediction=pred)
 
     def finish_reason(result) -> str:
         return "length" if result.finish_reason == "length" else "stop"
 
     def usage(result) -> dict:
         s = result.stats
+        details = {k: s.counters.get(k, 0) for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
         return {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
                 "total_tokens": len(result.prompt_ids) + len(result.token_ids),
+                "completion_tokens_details": {"reasoning_tokens": 0, **details},
                 "mean_accepted_tokens_per_forward": round(s.mean_accepted, 4)}
 
     async def run(req: Request, stream_events: bool):

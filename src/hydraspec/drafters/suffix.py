@@ -1,0 +1,224 @@
+"""Suffix decoding (Oliaro et al., SuffixDecoding, arXiv 2411.04975): drafts from suffix tries over the
+sequence so far and over earlier answers, with no model at all.
+
+A :class:`SuffixTrie` holds every suffix of its sequences cut to ``depth`` tokens, each node counting how
+often its path occurred. To draft, the longest suffix of the context (at most ``depth`` tokens) that
+occurred before with a continuation is found; from its node a tree grows best first by the empirical
+probability of each path (a child's count over its parent's), up to a size that follows the match length
+(``alpha`` tokens per matched token) and never below ``min_prob``. Two tries are asked: the sequence's own
+(prompt and answer so far) and one shared by every sequence, fed each finished answer and bounded in
+tokens (the oldest answer goes first), so that a request like earlier ones drafts from their answers.
+
+Proposals are deterministic (q is one-hot), so greedy output is plain decoding's and lossless sampling
+stays exact; sampling uses the most probable path only.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..tree import DraftTree
+from .base import DecodeState, Drafter, RowStates, Verdict
+
+
+class Node:
+    __slots__ = ("count", "kids")
+
+    def __init__(self):
+        self.count = 0
+        self.kids: dict[int, Node] = {}
+
+
+class SuffixTrie:
+    """Every suffix of every sequence added, cut to ``depth`` tokens; nodes count their occurrences."""
+
+    def __init__(self, depth: int = 24):
+        self.depth = depth
+        self.root = Node()
+        self.tokens = 0  # tokens added and not removed
+
+    def add(self, seq: list[int]) -> None:
+        self._walk(seq, +1)
+
+    def remove(self, seq: list[int]) -> None:
+        self._walk(seq, -1)
+
+    def _walk(self, seq: list[int], step: int) -> None:
+        for i in range(len(seq)):
+            node = self.root
+            for t in seq[i:i + self.depth]:
+                nxt = node.kids.get(t)
+                if nxt is None:
+                    nxt = node.kids[t] = Node()
+                nxt.count += step
+                if nxt.count <= 0:
+                    del node.kids[t]
+                    break
+                node = nxt
+        self.tokens += step * len(seq)
+
+    def extend(self, active: list[Node], token: int) -> list[Node]:
+        """Append ``token`` to a sequence whose open suffixes end at ``active`` (the nodes of its last
+        depth - 1 suffixes, longest first); returns the new open suffixes."""
+        out = []
+        for node in active + [self.root]:
+            nxt = node.kids.get(token)
+            if nxt is None:
+                nxt = node.kids[token] = Node()
+            nxt.count += 1
+            out.append(nxt)
+        self.tokens += 1
+        return out[-(self.depth - 1):] if self.depth > 1 else []
+
+    def match(self, context: list[int]) -> tuple[Node | None, int]:
+        """The node of the longest suffix of ``context`` (at most depth - 1 tokens) that has a continuation,
+        and its length."""
+        for m in range(min(self.depth - 1, len(context)), 0, -1):
+            node = self.root
+            for t in context[len(context) - m:]:
+                node = node.kids.get(t)
+                if node is None:
+                    break
+            if node is not None and node.kids:
+                return node, m
+        return None, 0
+
+
+@dataclass
+class Speculation:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)  # each node's path probability
+
+    @property
+    def score(self) -> float:
+        return sum(self.probs)
+
+
+def speculate(node: Node, budget: int, min_prob: float, chain_only: bool = False) -> Speculation:
+    """A tree of at most ``budget`` nodes below ``node``, grown best first by path probability (a child's
+    count over the sum of its siblings' counts, times its parent's), nodes below ``min_prob`` left out; BFS
+    order. ``chain_only``: the most probable path."""
+    made: list[tuple[int, int, float, int]] = []  # (token, parent index, path prob, depth)
+    heap = [(-1.0, 0, -1, node)]  # (-prob, tie, parent index, node)
+    tie = 1
+    while heap and len(made) < budget:
+        neg, _, _, cur = heapq.heappop(heap)
+        idx = len(made) - 1
+        total = sum(k.count for k in cur.kids.values())
+        kids = sorted(cur.kids.items(), key=lambda kv: -kv[1].count)[: 1 if chain_only else None]
+        for t, kid in kids:
+            p = -neg * kid.count / total
+            if p < min_prob:
+                break
+            made.append((t, idx, p, 0 if idx < 0 else made[idx][3] + 1))
+            if len(made) >= budget:
+                break
+            heapq.heappush(heap, (-p, tie, len(made) - 1, kid))
+            tie += 1
+            if chain_only:
+                break
+    return bfs(made)
+
+
+def bfs(made: list[tuple[int, int, float, int]]) -> Speculation:
+    """Nodes (token, parent, prob, depth) reordered breadth first (depth, then order made)."""
+    order = sorted(range(len(made)), key=lambda i: (made[i][3], i))
+    pos = {old: new for new, old in enumerate(order)}
+    out = Speculation()
+    for i in order:
+        t, p, prob, _ = made[i]
+        out.tokens.append(t)
+        out.parents.append(-1 if p < 0 else pos[p])
+        out.probs.append(prob)
+    return out
+
+
+class SharedAnswers:
+    """The shared trie: finished answers, at most ``max_tokens`` tokens of them (the oldest go first)."""
+
+    def __init__(self, depth: int, max_tokens: int):
+        self.trie = SuffixTrie(depth)
+        self.max_tokens = max_tokens
+        self.seqs: OrderedDict[int, list[int]] = OrderedDict()
+
+    def add(self, key: int, seq: list[int]) -> None:
+        if not seq or self.max_tokens <= 0:
+            return
+        seq = seq[-self.max_tokens:]
+        self.trie.add(seq)
+        self.seqs[key] = seq
+        while self.trie.tokens > self.max_tokens:
+            _, old = self.seqs.popitem(last=False)
+            self.trie.remove(old)
+
+
+@dataclass
+class SuffixRow:
+    trie: SuffixTrie
+    active: list[Node]
+    added: int  # tokens of the sequence in its own trie
+    probs: list[float] = field(default_factory=list)  # the last proposal's node probabilities
+
+
+class SuffixDrafter(Drafter):
+    """Suffix decoding (see the module docstring). ``max_tokens``: the most nodes a tree holds; ``alpha``:
+    tree nodes per matched token; ``min_prob``: the least path probability a node may have; ``depth``: the
+    longest suffix kept; ``shared_tokens``: the size of the shared trie of earlier answers (0: none)."""
+
+    name = "suffix"
+    cheap = True
+
+    def __init__(self, max_tokens: int = 16, alpha: float = 2.0, min_prob: float = 0.1, depth: int = 24,
+                 shared_tokens: int = 200_000):
+        self.max_tokens, self.alpha, self.min_prob, self.depth = max_tokens, alpha, min_prob, depth
+        self.max_nodes = max_tokens
+        self.shared = SharedAnswers(depth, shared_tokens)
+        self.rows: RowStates[SuffixRow] = RowStates(self._start)
+
+    def _start(self, state: DecodeState) -> SuffixRow:
+        trie = SuffixTrie(self.depth)
+        row = SuffixRow(trie, [], 0)
+        self._catch_up(row, state.tokens)
+        return row
+
+    def _catch_up(self, row: SuffixRow, tokens: list[int]) -> None:
+        for t in tokens[row.added:]:
+            row.active = row.trie.extend(row.active, t)
+        row.added = len(tokens)
+
+    def propose(self, states: list[DecodeState]) -> list[DraftTree]:
+        self._keep_answers()
+        out = []
+        for s in states:
+            spec = self.speculate(self.rows.of(s), s)
+            out.append(DraftTree(torch.tensor(spec.tokens, dtype=torch.long), tuple(spec.parents)))
+        return out
+
+    def speculate(self, row: SuffixRow, state: DecodeState, min_prob: float | None = None) -> Speculation:
+        """The better (by expected accepted tokens) of the sequence's own trie's and the shared trie's trees."""
+        self._catch_up(row, state.tokens)
+        floor = self.min_prob if min_prob is None else min_prob
+        best = Speculation()
+        for trie in (row.trie, self.shared.trie):
+            node, m = trie.match(state.tokens)
+            if node is None:
+                continue
+            budget = min(self.max_tokens, max(1, int(self.alpha * m)))
+            spec = speculate(node, budget, floor, chain_only=not state.sampling.greedy)
+            if spec.score > best.score:
+                best = spec
+        row.probs = best.probs
+        return best
+
+    def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
+        """Nothing to learn from a verdict; answers join the shared trie once their sequence is done."""
+
+    def _keep_answers(self) -> None:
+        for key, (state, _) in self.rows.rows.items():
+            if state.done:
+                self.shared.add(key, state.tokens[state.prompt_len:])
+        self.rows.sweep()

@@ -1,0 +1,171 @@
+"""The drafters of everyday prompts: suffix decoding, predicted outputs and the per-request choice (auto)."""
+import pytest
+import torch
+
+import tiny
+from hydraspec import SpeculativeGenerator
+from hydraspec.drafters import make_auto, make_drafter
+from hydraspec.drafters.auto import AutoDrafter
+from hydraspec.drafters.base import DecodeState, Verdict
+from hydraspec.drafters.prediction import PredictionDrafter
+from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, speculate
+from hydraspec.engine import Engine, Request
+from hydraspec.sampling import Sampling
+
+N = 24
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 4, 3, 9, 4, 3], [11, 2, 13, 4, 15, 6, 17]]
+
+
+def model():
+    return tiny.cached_model("llama", "sdpa", 1)
+
+
+def plain(m, tok, prompt, n=N):
+    return SpeculativeGenerator(m, tok).generate(input_ids=prompt, max_new_tokens=n).token_ids
+
+
+# ---- suffix tries ------------------------------------------------------------------------------------
+
+
+def test_suffix_trie_counts_matches_and_speculates_by_frequency():
+    trie = SuffixTrie(depth=4)
+    trie.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    node, m = trie.match([9, 1, 2])
+    assert m == 2 and {t: k.count for t, k in node.kids.items()} == {3: 2, 4: 1}
+    spec = speculate(node, budget=8, min_prob=0.0)
+    assert spec.tokens[:2] == [3, 4] and spec.probs[0] == pytest.approx(2 / 3) and spec.parents[:2] == [-1, -1]
+    chain = speculate(node, budget=8, min_prob=0.0, chain_only=True)
+    assert chain.tokens[0] == 3 and all(p == i - 1 for i, p in enumerate(chain.parents))
+    assert speculate(node, budget=8, min_prob=0.5).tokens == [3, 1]  # 4 (1/3) left out; 3 -> 1 (2/3 * 1/1)
+    assert trie.match([7, 8])[0] is None
+    trie.remove([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    assert trie.tokens == 0 and not trie.root.kids
+
+
+def test_suffix_trie_extends_a_sequence_as_adding_it_whole():
+    seq = [4, 1, 4, 1, 2, 4, 1, 4]
+    whole, grown = SuffixTrie(depth=3), SuffixTrie(depth=3)
+    whole.add(seq)
+    active = []
+    for t in seq:
+        active = grown.extend(active, t)
+
+    def dump(node, path=()):
+        return {path: node.count} | {k: v for t, kid in node.kids.items() for k, v in dump(kid, path + (t,)).items()}
+    assert dump(grown.root) == dump(whole.root)
+
+
+def test_shared_answers_stay_within_their_token_bound():
+    store = SharedAnswers(depth=4, max_tokens=10)
+    for key in range(5):
+        store.add(key, [key] * 4)
+    assert store.trie.tokens <= 10 and list(store.seqs) == [3, 4]  # the oldest went first
+    assert store.trie.match([4, 4])[0] is not None and store.trie.match([0, 0])[0] is None
+
+
+@pytest.mark.parametrize("method", ["suffix", "auto"])
+def test_suffix_and_auto_equal_plain_decoding(method, tok):
+    m = model()
+    draft = tiny.noisy_copy(m, 0.05)
+    drafter = make_drafter("suffix") if method == "suffix" else \
+        make_auto(m, {"draft": make_drafter("draft", draft_model=draft)})
+    gen = SpeculativeGenerator(m, tok, drafter)
+    for p in PROMPTS:
+        assert gen.generate(input_ids=p, max_new_tokens=N).token_ids == plain(m, tok, p)
+    many = gen.generate_batch(input_ids=PROMPTS, max_new_tokens=N, batch_size=2)  # rows come and go
+    assert [r.token_ids for r in many] == [plain(m, tok, p) for p in PROMPTS]
+
+
+def test_suffix_drafts_from_earlier_answers(tok):
+    """A request like an earlier one drafts that answer from the shared trie: the second time the same
+    prompt comes, most of the answer is accepted in long runs."""
+    m = model()
+    prompt = [11, 2, 13, 4, 15, 6, 17]
+    gen = SpeculativeGenerator(m, tok, SuffixDrafter(shared_tokens=1000), adaptive=False)
+    first = gen.generate(input_ids=prompt, max_new_tokens=N)
+    second = gen.generate(input_ids=prompt, max_new_tokens=N)
+    assert second.token_ids == first.token_ids == plain(m, tok, prompt)
+    assert second.stats.target_forwards < first.stats.target_forwards
+    assert second.stats.target_forwards <= N // 3
+    off = SpeculativeGenerator(m, tok, SuffixDrafter(shared_tokens=0), adaptive=False)
+    off.generate(input_ids=prompt, max_new_tokens=N)
+    assert off.generate(input_ids=prompt, max_new_tokens=N).stats.target_forwards > second.stats.target_forwards
+
+
+# ---- predicted outputs -------------------------------------------------------------------------------------
+
+
+def test_prediction_follows_and_realigns():
+    d = PredictionDrafter(num_tokens=4, max_ngram=3, min_ngram=2)
+    pred = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    s = DecodeState(tokens=[1, 2], prompt_len=2, sampling=Sampling(), prediction=pred)
+    assert d.propose([s])[0].tokens.tolist() == [10, 11, 12, 13]  # an answer starts at the prediction's start
+    d.observe([s], [Verdict([0, 1], 4)])
+    assert s.counters == {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 2}
+    s.tokens += [10, 11, 99]  # departs after 11: nothing ends in a known n-gram
+    assert len(d.propose([s])[0]) == 0
+    s.tokens += [14, 15]  # back on the prediction after an insertion
+    assert d.propose([s])[0].tokens.tolist() == [16, 17, 18, 19]
+    none = DecodeState(tokens=[1, 2], prompt_len=2, sampling=Sampling())
+    assert len(d.propose([none])[0]) == 0
+
+
+def test_prediction_through_the_engine_is_exact_and_counted(tok):
+    m = model()
+    prompt = PROMPTS[2]
+    ref = plain(m, tok, prompt)
+    edited = ref[:10] + [1, 2] + ref[12:]  # a prediction right but for two tokens
+    drafter = AutoDrafter({"prediction": PredictionDrafter(), "pld": make_drafter("pld", dynamic=False)},
+                          {1: 1.0, 64: 1.0})  # extra verify tokens free: drafting pays wherever it may
+    eng = Engine(m, tok, drafter, set(), rows=1, capacity=128)
+    req = Request(list(prompt), N, prediction=edited)
+    eng.add(req)
+    while eng.busy:
+        eng.step()
+    assert req.result.token_ids == ref
+    c = req.result.stats.counters
+    assert c["accepted_prediction_tokens"] >= N - 6 and req.result.stats.target_forwards <= 8
+
+
+# ---- the choice --------------------------------------------------------------------------------------------
+
+
+class Oracle:
+    """A costly drafter that knows the target's greedy answer (a perfect draft model)."""
+
+    name, cheap, needs_hidden, max_nodes = "oracle", False, False, 4
+
+    def __init__(self, answer: list[int], prompt_len: int):
+        self.answer, self.plen, self.calls = answer, prompt_len, 0
+
+    def propose(self, states):
+        from hydraspec.tree import DraftTree, chain
+
+        self.calls += len(states)
+        out = []
+        for s in states:
+            done = len(s.tokens) - self.plen
+            nxt = self.answer[done:done + 4]
+            out.append(DraftTree(torch.tensor(nxt, dtype=torch.long), chain(len(nxt))))
+        return out
+
+    def observe(self, states, verdicts):
+        pass
+
+
+@pytest.mark.parametrize("extra_token_cost,drafts", [(0.0, True), (1.0, False)])
+def test_auto_drafts_where_it_pays_and_decodes_plainly_where_not(extra_token_cost, drafts, tok):
+    """Free verify tokens: the perfect drafter is chosen and accepted; every extra verify token costing a
+    whole step: nothing is drafted (plain decoding: one token per forward). Output is plain's either way."""
+    m = model()
+    prompt = PROMPTS[2]
+    ref = plain(m, tok, prompt)
+    oracle = Oracle(ref, len(prompt))
+    cost = {n: 1.0 + extra_token_cost * (n - 1) for n in (1, 2, 4, 8, 16)}
+    auto = AutoDrafter({"oracle": oracle}, cost)
+    res = SpeculativeGenerator(m, tok, auto).generate(input_ids=prompt, max_new_tokens=N)
+    assert res.token_ids == ref
+    if drafts:
+        assert res.stats.target_forwards <= N // 4 + 2
+    else:
+        assert res.stats.target_forwards == N and oracle.calls == 0
