@@ -77,6 +77,10 @@ def test_summary_numbers():
     assert hfpld["overall"]["mean_accepted"] is None and hfpld["overall"]["target_forwards"] is None
     assert hfpld["overall"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert hfpld["overall"]["verify_s"] == pytest.approx(1.9)
+    # later turns: question 2's second turn alone (ar 6 tokens in 1 s, pld in 0.75 s); hf-ar has none
+    late = pld["later_turns"]
+    assert late["turns"] == 1 and late["tokens_per_s"] == pytest.approx(8.0)
+    assert late["speedup_vs_ar"] == pytest.approx(8.0 / 6.0) and hfar["later_turns"] is None
 
 
 def test_summary_sampling_and_reference_fallback():

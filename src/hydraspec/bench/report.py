@@ -141,6 +141,19 @@ def _table(summary: dict, key: str) -> list[str]:
     return lines
 
 
+def _later_table(summary: dict) -> list[str]:
+    rows = [(m, summary["table"][m].get("later_turns")) for m in summary["methods"]]
+    if not any(c for _, c in rows):
+        return []
+    lines = ["## Later turns (second and after)", "", "Each later turn re-sends the conversation so far.", "",
+             "| Method | Tokens/s | Over ar | Mean accepted |", "|---|---:|---:|---:|"]
+    for m, c in rows:
+        if c:
+            lines.append(f"| {_label(summary, m)} | {_f(c['tokens_per_s'], 1)} | {_x(c.get('speedup_vs_ar'))} | "
+                         f"{_f(c['mean_accepted'])} |")
+    return lines + [""]
+
+
 def _speed_table(summary: dict) -> list[str]:
     lines = ["| Method | TTFT s | Decode tok/s | Overall tok/s |", "|---|---:|---:|---:|"]
     for m in summary["methods"]:
@@ -194,6 +207,7 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
             "",
         ] if best_lc else []),
         *_draft_table(summary),
+        *_later_table(summary),
         "## Time to first token and decoding speed",
         "",
         "TTFT = mean seconds to the first new token (reading the prompt); decode = tokens/s after it.",

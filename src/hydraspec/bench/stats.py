@@ -169,6 +169,11 @@ def cell(records, by_method: dict, reference: str | None, greedy: bool) -> dict:
     return out
 
 
+def later_turns(records) -> list[dict]:
+    """The records of multi-turn questions cut to their turns after the first (a chat's later turns)."""
+    return [{**r, "turns": r["turns"][1:]} for r in records if len(r["turns"]) > 1]
+
+
 def summarize(records, methods=None, temperature: float = 0.0, seed: int | None = None) -> dict:
     """The whole summary: per method, per category and overall. `methods` fixes the row order (methods that
     only appear in `records` follow); the reference for identical answers is 'ar', else 'hf-ar'."""
@@ -187,6 +192,10 @@ def summarize(records, methods=None, temperature: float = 0.0, seed: int | None 
                            for c in cats if any(r["category"] == c for r in recs)},
             "overall": cell(recs, by_method, reference, greedy),
         }
+    later = {m: later_turns(by_method[m]) for m in present}
+    if any(later.values()):  # multi-turn questions: the turns after the first, on their own
+        for m in present:
+            table[m]["later_turns"] = cell(later[m], later, reference, greedy) if later[m] else None
     llamacpp = llamacpp_summary(table, present)
     best = llamacpp["best"]
     for m in present:
