@@ -52,7 +52,7 @@ class Tally:
 class AutoRow:
     tallies: dict[str, Tally] = field(default_factory=dict)
     chosen: str | None = None  # the drafter whose proposal was verified last step
-    tried: dict[str, int] = field(default_factory=dict)  # drafter -> steps since this sequence tried it
+    tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
     shadows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # unverified cheap chains
 
 
@@ -96,20 +96,25 @@ class AutoDrafter(Drafter):
                 wants[name].append(b)
             self._shadow(row, s, {n: t[b] for n, t in offers.items()}, name)
         for n, picked in wants.items():
-            if picked:
-                for b, tree in zip(picked, self._timed(n, [states[b] for b in picked])):
+            if picked:  # a first proposal also reads the prompt: not a proposal's usual cost
+                first = any(n not in rows[b].tried for b in picked)
+                for b, tree in zip(picked, self._timed(n, [states[b] for b in picked], record=not first)):
                     out[b] = tree
                     self.sizes[n] = 0.8 * self.sizes[n] + 0.2 * len(tree)
         for row in rows:
-            for n in self.drafters:
-                row.tried[n] = 0 if n == row.chosen else row.tried.get(n, 0) + 1
+            for n in self.costly:
+                if n == row.chosen:
+                    row.tried[n] = 0
+                elif n in row.tried:
+                    row.tried[n] += 1
         return out
 
-    def _timed(self, name: str, states: list[DecodeState]) -> list[DraftTree]:
+    def _timed(self, name: str, states: list[DecodeState], record: bool = True) -> list[DraftTree]:
         t0 = time.perf_counter()
         trees = self.drafters[name].propose(states)
         each = (time.perf_counter() - t0) / len(states)
-        self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
+        if record:
+            self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
         return trees
 
     def _choose(self, row: AutoRow, R: int, offers: dict[str, DraftTree]) -> tuple[str | None, DraftTree]:
