@@ -402,12 +402,20 @@ def test_sampled_rows_equal_batch_of_one_with_the_same_seed(method, tok):
         assert r.stats.accept_hist == a.stats.accept_hist, (method, i)
 
 
-def test_typical_acceptance_runs_batched(tok):
+def test_typical_acceptance_rows_equal_batch_of_one_with_the_same_seed(tok):
+    """Typical acceptance in a batch: row i samples and accepts exactly what a batch-of-one run seeded
+    seed + i does."""
     model = tiny.cached_model("llama", "sdpa", SEED)
+    prompts = ragged_prompts()
     gen = SpeculativeGenerator(model, tok, DRAFTERS["medusa"](model), acceptor="typical")
-    res = gen.generate_batch(input_ids=ragged_prompts(), max_new_tokens=8, temperature=0.8, seed=0)
-    assert all(len(r.token_ids) == 8 for r in res)
-    for r in res:
+    kw = dict(max_new_tokens=8, temperature=0.8)
+    alone = [gen.generate(input_ids=p, seed=i, **kw) for i, p in enumerate(prompts)]
+    res = gen.generate_batch(input_ids=prompts, seed=0, **kw)
+    assert len({tuple(a.token_ids) for a in alone}) > 1  # rows differ: a row answering for another would fail
+    for i, (r, a) in enumerate(zip(res, alone)):
+        assert len(r.token_ids) == 8
+        assert r.token_ids == a.token_ids, i
+        assert r.stats.accept_hist == a.stats.accept_hist, i
         check_row_stats(r)
 
 
@@ -545,7 +553,15 @@ def test_bench_batch_sizes(tmp_path, tok):
         assert r["prompts"] == 5 and r["new_tokens"] > 0 and r["tokens_per_s"] > 0 and r["mean_latency_s"] > 0
         assert r["identical_to_ar"] == 1.0, r  # every method and batch size gives ar's batch-1 answers
         if r["method"] != "hf-ar":
-            assert r["cache_bytes"] > 0 and r["mean_accepted"] >= 1.0
+            assert r["cache_bytes"] > 0
+        # ar takes one token per forward and hf-ar counts no forwards; the drafters that draft whatever the
+        # clock says (pld follows the cost rule) got draft tokens accepted: the close copy of the target
+        # (draft) most of its drafts, the heads some
+        want = {"ar": 1.0, "hf-ar": None}
+        if r["method"] in want:
+            assert r["mean_accepted"] == want[r["method"]], r
+        elif r["method"] != "pld":
+            assert r["mean_accepted"] > (1.5 if r["method"] == "draft" else 1.0), r
     ar = {r["batch_size"]: r for r in rows if r["method"] == "ar"}
     assert ar[1]["batched_forwards"] > ar[2]["batched_forwards"] > ar[4]["batched_forwards"]
     assert (out / "batch_throughput.png").read_bytes()[:4] == b"\x89PNG"

@@ -41,9 +41,13 @@ def test_speculative_greedy_equals_plain_greedy_on_smollm2(smollm2):
         assert ref.token_ids == hf[0, x.shape[1]:].tolist()
         drafters = [make_drafter("pld"), make_drafter("draft", draft_model=model, widths=[2, 1])]
         for drafter in drafters + [d for _, d in shipped]:
-            res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=48)
+            # the drafter's own lengths (no adaptive rule, whose choices follow the clock)
+            res = SpeculativeGenerator(model, tok, drafter, adaptive=False).generate(prompt, max_new_tokens=48)
             assert res.token_ids == ref.token_ids, drafter.name
-            assert res.stats.mean_accepted >= 1.0
+            if drafter.name == "draft":  # the target drafting for itself: both drafts accepted at every step
+                assert res.stats.target_forwards == -(-len(res.token_ids) // 3), res.stats.accept_hist
+            else:  # some draft tokens accepted (the heads are trained on this model; the answers repeat)
+                assert res.stats.mean_accepted > 1.0, (drafter.name, res.stats.accept_hist)
 
 
 def test_bf16_speculation_equals_plain_decoding_on_smollm2():
