@@ -62,8 +62,10 @@ def _byte_symbols() -> list[str]:
     return out
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """A 2-layer llama GGUF (float32 tensors, 262-token gpt2-style tokenizer), a few hundred KB."""
+def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
+                    qtype: str | None = None) -> Path:
+    """A 2-layer llama GGUF (float32 tensors, 262-token gpt2-style tokenizer), a few hundred KB; ``qtype``
+    (e.g. "Q8_0"): its weight matrices quantized to that type (the norms stay float32)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -99,18 +101,25 @@ def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str | None = CHAT_
     def rand(*shape):
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", rand(vocab, hidden))
+    def matrix(name, *shape):
+        if qtype is None:
+            w.add_tensor(name, rand(*shape))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(rand(*shape), t), raw_dtype=t)
+
+    matrix("token_embd.weight", vocab, hidden)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", rand(hidden, hidden))
-        w.add_tensor(f"blk.{i}.attn_k.weight", rand(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_v.weight", rand(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand(hidden, hidden))
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden)
+        matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(inter, hidden))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(inter, hidden))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(hidden, inter))
+        matrix(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", inter, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, inter)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -606,6 +615,108 @@ def test_local_hf_directory(home, tmp_path, tiny_gguf_bytes):
     model, tok = load_model(str(out), dtype="float16", device="cpu", attn_implementation="eager")
     assert model.dtype == torch.float16 and model.config._attn_implementation == "eager"
     assert not model.training and tok.chat_template
+
+
+# --------------------------------------------------------------------------------------------------
+# --dtype and --quant together on the command line
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["offline name", "gguf file", "hf directory"])
+def test_dtype_and_quant_combinations(source, home, tmp_path, monkeypatch, capsys):
+    """Every --dtype {none, float32, bfloat16} x --quant {default, none, gguf} on each kind of input either
+    loads what the rule says (weights at the file's precision or dequantized, in that dtype) or is refused
+    with one line: without --dtype a GGUF input keeps the file's precision; an explicit --dtype dequantizes it
+    to that dtype; --quant gguf computes in bfloat16 and needs a GGUF input."""
+    from hydraspec.cli import main
+    from hydraspec.cpu.gguf import GGUFLinear
+
+    f = write_tiny_gguf(tmp_path / "tiny-q8.gguf", qtype="Q8_0")
+    if source == "offline name":
+        spec, chunks = fake_spec("tiny-reg", f.read_bytes(), 1)
+        install_fake(monkeypatch, home, spec, chunks)
+        pull("tiny-reg", dtype="bfloat16", progress=False)
+        model_arg = "tiny-reg"
+    elif source == "gguf file":
+        model_arg = str(f)
+    else:
+        model_arg = str(convert_gguf(f, tmp_path / "hf", "float32", progress=False))
+    is_gguf = source != "hf directory"
+    loaded = []
+    real = models.load_model
+
+    def recording(*args, **kwargs):
+        model, tok = real(*args, **kwargs)
+        loaded.append(model)
+        return model, tok
+
+    monkeypatch.setattr(models, "load_model", recording)
+    seen = {}
+    for dtype in (None, "float32", "bfloat16"):
+        for quant in (None, "none", "gguf"):
+            argv = ["generate", "--model", model_arg, "--device", "cpu", "--prompt", "hello", "--max-new-tokens", "2"]
+            argv += ["--dtype", dtype] if dtype else []
+            argv += ["--quant", quant] if quant else []
+            loaded.clear()
+            rc = main(argv)
+            _, err = capsys.readouterr()
+            case = (dtype, quant)
+            if quant == "gguf" and not is_gguf:
+                assert rc == 2 and not loaded, case
+                assert err.strip().splitlines() == [f"hydraspec: error: --quant gguf needs a GGUF model (an offline "
+                                                    f"name or a .gguf file), not '{model_arg}'"], case
+                continue
+            if quant == "gguf" and dtype == "float32":
+                assert rc == 2 and not loaded, case
+                assert err.strip().splitlines() == ["hydraspec: error: --quant gguf computes in bfloat16, not --dtype "
+                                                    "float32; for float32 weights use --quant none (or leave out "
+                                                    "--dtype)"], case
+                continue
+            assert rc == 0 and len(loaded) == 1, (case, err)
+            model = loaded[0]
+            kind = "gguf" if any(isinstance(m, GGUFLinear) for m in model.modules()) else "dequantized"
+            seen[case] = (kind, str(model.dtype).removeprefix("torch."))
+    gguf_kind = "gguf" if is_gguf else "dequantized"
+    assert seen == {
+        (None, None): (gguf_kind, "bfloat16"),  # a GGUF input keeps the file's precision
+        (None, "none"): ("dequantized", "bfloat16"),
+        (None, "gguf"): ("gguf", "bfloat16"),
+        ("float32", None): ("dequantized", "float32"),  # an explicit --dtype: dequantized to it
+        ("float32", "none"): ("dequantized", "float32"),
+        ("bfloat16", None): ("dequantized", "bfloat16"),
+        ("bfloat16", "none"): ("dequantized", "bfloat16"),
+        ("bfloat16", "gguf"): ("gguf", "bfloat16"),
+    } if is_gguf else {
+        (None, None): ("dequantized", "bfloat16"),
+        (None, "none"): ("dequantized", "bfloat16"),
+        ("float32", None): ("dequantized", "float32"),
+        ("float32", "none"): ("dequantized", "float32"),
+        ("bfloat16", None): ("dequantized", "bfloat16"),
+        ("bfloat16", "none"): ("dequantized", "bfloat16"),
+    }
+
+
+def test_explicit_dtype_and_the_draft_models_precision():
+    """A draft model follows an explicit --dtype float32/float16: --draft-quant auto dequantizes it too (the
+    quantized draft kernels compute in bfloat16) and a quantized --draft-quant is refused with one line;
+    without --dtype, or with bfloat16, --draft-quant stays as given."""
+    from hydraspec.cli import make_parser
+    from hydraspec.options import resolve_precision_args
+
+    def resolved(*extra):
+        args = make_parser().parse_args(["generate", "--model", "a.gguf", "--device", "cpu", "--prompt", "x",
+                                         "--method", "draft", "--draft-model", "b.gguf", *extra])
+        resolve_precision_args(args)
+        return args.dtype, args.quant, args.draft_quant
+
+    assert resolved() == ("bfloat16", "gguf", "auto")
+    assert resolved("--dtype", "bfloat16") == ("bfloat16", "none", "auto")
+    assert resolved("--dtype", "float32") == ("float32", "none", "none")
+    assert resolved("--dtype", "float16", "--draft-quant", "none") == ("float16", "none", "none")
+    assert resolved("--quant", "none", "--draft-quant", "w4a8") == ("bfloat16", "none", "w4a8")
+    with pytest.raises(HydraspecError, match=r"^--draft-quant w4a8 computes in bfloat16, not --dtype float32; use "
+                                             r"--draft-quant none \(or leave out --dtype\)$"):
+        resolved("--dtype", "float32", "--draft-quant", "w4a8")
 
 
 # --------------------------------------------------------------------------------------------------

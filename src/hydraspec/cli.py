@@ -10,8 +10,8 @@ import time
 from .errors import HydraspecError
 
 from .models import DEVICES, DTYPES
-from .options import add_compile_arg, add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg, draft_k_option, \
-    leaves_option, shipped_tree_for, thread_count
+from .options import add_compile_arg, add_draft_quant_arg, add_draft_vocab_arg, add_dtype_arg, add_quant_arg, \
+    add_verify_budget_arg, draft_k_option, leaves_option, resolve_precision_args, shipped_tree_for, thread_count
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 def add_model_args(p, compile_default: bool | str = False) -> None:
     p.add_argument("--model", required=True, help="offline name (see `hydraspec models list`), HF directory, .gguf file or hub id")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    add_dtype_arg(p)
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
     add_compile_arg(p, compile_default)
@@ -729,6 +729,7 @@ def main(argv=None) -> int:
     if getattr(args, "no_prepack", False):
         os.environ["HYDRASPEC_PREPACK"] = "0"
     try:
+        resolve_precision_args(args)  # what --dtype and --quant mean together, before anything loads
         rc = args.func(args)
     except HydraspecError as e:
         print(f"hydraspec: error: {e}", file=sys.stderr)

@@ -66,6 +66,7 @@ __all__ = [
     "pull",
     "resolve_device",
     "resolve_dtype",
+    "resolve_precision",
     "resolve_quant",
 ]
 
@@ -797,14 +798,51 @@ def shipped_draft_tree(target: str, draft: str, device: str = "auto", quant: str
 QUANTS = ("auto", "gguf", "none")
 
 
+def _is_gguf_input(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names GGUF weights: a registry name or a ``.gguf`` file."""
+    return name_or_path in REGISTRY or str(name_or_path).lower().endswith(".gguf")
+
+
 def resolve_quant(quant: str, name_or_path: str, device: str) -> str:
     """``auto`` -> ``gguf`` for a registry name or a ``.gguf`` file on the CPU, else ``none``."""
     if quant not in QUANTS:
         raise HydraspecError(f"unknown quantisation '{quant}'; choose one of: {', '.join(QUANTS)}")
     if quant != "auto":
         return quant
-    is_gguf = name_or_path in REGISTRY or str(name_or_path).lower().endswith(".gguf")
-    return "gguf" if is_gguf and resolve_device(device) == "cpu" else "none"
+    return "gguf" if _is_gguf_input(name_or_path) and resolve_device(device) == "cpu" else "none"
+
+
+def resolve_precision(name_or_path: str, dtype: str | None, quant: str, device: str) -> tuple[str, str]:
+    """What the command line's ``--dtype`` and ``--quant`` mean together for ``name_or_path`` on ``device``
+    (``dtype`` None: no ``--dtype`` given); returns the ``(dtype, quant)`` to load with, ``quant`` "gguf" or
+    "none":
+
+    - no ``--dtype``: bfloat16, and ``--quant auto`` as :func:`resolve_quant` has it (a GGUF input on the CPU
+      keeps the file's precision and computes in bf16, the native kernels' path);
+    - an explicit ``--dtype`` with ``--quant auto``: the weights dequantized to that dtype (``--quant none``),
+      whatever the input;
+    - ``--quant gguf`` computes in bfloat16: an explicit ``--dtype float32`` or ``float16`` with it is refused
+      (its activations would leave the native kernels for a path some 30x slower), and so is ``--quant gguf``
+      on an input that is not GGUF or off the CPU;
+    - ``--quant none``: the weights at ``--dtype`` (bfloat16 when not given).
+    """
+    if dtype is not None:
+        resolve_dtype(dtype)
+    if quant not in QUANTS:
+        raise HydraspecError(f"unknown quantisation '{quant}'; choose one of: {', '.join(QUANTS)}")
+    if quant == "auto":
+        return (dtype, "none") if dtype is not None else ("bfloat16", resolve_quant("auto", name_or_path, device))
+    if quant == "gguf":
+        if not _is_gguf_input(name_or_path):
+            raise HydraspecError(f"--quant gguf needs a GGUF model (an offline name or a .gguf file), not "
+                                 f"'{name_or_path}'")
+        if resolve_device(device) != "cpu":
+            raise HydraspecError("--quant gguf runs on the CPU only; use --quant none on a GPU")
+        if dtype not in (None, "bfloat16"):
+            raise HydraspecError(f"--quant gguf computes in bfloat16, not --dtype {dtype}; for {dtype} weights use "
+                                 f"--quant none (or leave out --dtype)")
+        return "bfloat16", "gguf"
+    return dtype or "bfloat16", "none"
 
 
 def load_model(

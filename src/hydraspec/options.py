@@ -6,7 +6,8 @@ import argparse
 import os
 
 from .errors import HydraspecError
-from .models import QUANTS
+from .models import DTYPES, QUANTS
+
 
 
 def thread_count() -> int:
@@ -14,11 +15,50 @@ def thread_count() -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, os.cpu_count() or 1)
 
 
+class _Given(argparse.Action):
+    """Stores the value and records that it was given (``args.<dest>_given``): an explicit --dtype means
+    something a default one does not (see :func:`resolve_precision_args`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + "_given", True)
+
+
+def add_dtype_arg(p) -> None:
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, action=_Given,
+                   help="the weights' and activations' dtype (default bfloat16). An explicit --dtype on an "
+                        "offline name or a .gguf file means its weights dequantized to that dtype (--quant none); "
+                        "without it such a model keeps the file's precision on the CPU")
+
+
 def add_quant_arg(p) -> None:
     p.add_argument("--quant", choices=QUANTS, default="auto",
-                   help="gguf: keep a GGUF model's weights at the file's own precision (CPU; --dtype is then the "
-                        "activations' dtype); none: dequantize them to --dtype; auto (default): gguf for offline "
-                        "names and .gguf files on the CPU")
+                   help="gguf: keep a GGUF model's weights at the file's own precision (CPU; computes in bfloat16, "
+                        "so --dtype float32/float16 is refused with it); none: dequantize them to --dtype; auto "
+                        "(default): gguf for offline names and .gguf files on the CPU when no --dtype is given, "
+                        "else none")
+
+
+def resolve_precision_args(args) -> None:
+    """Make ``args.dtype`` and ``args.quant`` what they mean together (hydraspec.models.resolve_precision:
+    an explicit --dtype on a GGUF input dequantizes it; --quant gguf computes in bfloat16), in place, before a
+    command loads anything; a draft model follows: with an explicit --dtype float32 or float16, --draft-quant
+    auto is none (the quantized draft kernels compute in bfloat16) and a quantized --draft-quant is refused.
+    Commands without --model, --dtype and --quant are left alone."""
+    from .models import resolve_precision
+
+    if not all(hasattr(args, a) for a in ("model", "dtype", "quant")) or not args.model:
+        return
+    given = getattr(args, "dtype_given", False)
+    args.dtype, args.quant = resolve_precision(args.model, args.dtype if given else None, args.quant,
+                                               getattr(args, "device", "auto"))
+    dq = getattr(args, "draft_quant", None)
+    if given and args.dtype != "bfloat16" and getattr(args, "draft_model", None) and dq is not None:
+        if dq == "auto":
+            args.draft_quant = "none"
+        elif dq != "none":
+            raise HydraspecError(f"--draft-quant {dq} computes in bfloat16, not --dtype {args.dtype}; use "
+                                 f"--draft-quant none (or leave out --dtype)")
 
 
 def add_compile_arg(p, default: bool | str = False) -> None:

@@ -12,8 +12,9 @@ from .methods import METHODS, BenchContext, MethodSpec, Runner, TurnResult, pars
 from .prompts import Question, load_prompt_file, load_questions
 from .runner import run_bench
 from .stats import summarize
-from ..models import DEVICES, DTYPES
-from ..options import add_compile_arg, add_draft_quant_arg, add_draft_vocab_arg, add_quant_arg, add_verify_budget_arg
+from ..models import DEVICES
+from ..options import add_compile_arg, add_draft_quant_arg, add_draft_vocab_arg, add_dtype_arg, add_quant_arg, \
+    add_verify_budget_arg
 
 DEFAULT_METHODS = "ar,pld,hf-ar,hf-pld"
 
@@ -61,7 +62,7 @@ def add_parser(subparsers):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples (top-p/top-k off) and answers are not compared")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, set before every prompt (default 0)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    add_dtype_arg(p)
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
     add_compile_arg(p, "auto")

@@ -120,8 +120,8 @@ def run(args) -> int:
 
 
 def add_parser(subparsers):
-    from ..models import DEVICES, DTYPES
-    from ..options import add_quant_arg
+    from ..models import DEVICES
+    from ..options import add_dtype_arg, add_quant_arg
 
     p = subparsers.add_parser("perplexity", help="a model's perplexity on a text (llama.cpp's protocol)",
                               description=__doc__.split("\n\n")[1].replace("\n", " "))
@@ -129,7 +129,7 @@ def add_parser(subparsers):
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512, as llama-perplexity)")
     p.add_argument("--chunks", type=int, metavar="N", help="score only the first N chunks")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    add_dtype_arg(p)
     p.add_argument("--device", default="auto", choices=DEVICES)
     add_quant_arg(p)
     p.add_argument("--llamacpp", action="store_true",
