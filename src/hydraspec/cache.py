@@ -6,8 +6,29 @@ the next forward simply overwrites what lies beyond.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+_CACHE_KEYWORD: dict[type, str] = {}
+
+
+def cache_kwargs(target, cache) -> dict:
+    """The keyword argument that hands ``cache`` to ``target``: ``{"cache": cache}`` where its forward takes
+    ``cache`` (transformers 5.24 on, where ``past_key_values`` is deprecated), else ``{"past_key_values": cache}``
+    (transformers 5.0 to 5.23). ``target``: a model or a decoder layer (its class's forward is read, not the
+    instance's, which may be a compiled step's wrapper), or a class (a module class, or a model output class,
+    whose constructor is read). Read once per class."""
+    cls = target if isinstance(target, type) else type(target)
+    key = _CACHE_KEYWORD.get(cls)
+    if key is None:
+        try:
+            params = inspect.signature(cls.forward if issubclass(cls, torch.nn.Module) else cls).parameters
+        except (TypeError, ValueError):  # no signature to read: the old name, which every 5.x release takes
+            params = {}
+        key = _CACHE_KEYWORD[cls] = "cache" if "cache" in params else "past_key_values"
+    return {key: cache}
 
 
 class SlotLayer(CacheLayerMixin):
@@ -203,7 +224,8 @@ def prefill_rows(model, cache, first: int, prompts: list[list[int]], need_hidden
             use_rows(cache, first + b, first + b + 1)
             set_length(cache, 0)
             out = model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.arange(len(ids), device=dev)[None],
-                        past_key_values=cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
+                        **cache_kwargs(model, cache), use_cache=True, output_hidden_states=need_hidden,
+                        logits_to_keep=1)
             h = out.hidden_states[-1][0] if need_hidden else None
         hidden.append(h)
     set_length(cache, saved)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import backend
-from .cache import set_length, set_packing
+from .cache import cache_kwargs, set_length, set_packing
 from .errors import HydraspecError
 
 _NO_4D_MASK = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -56,7 +56,7 @@ def forward_nodes(model, cache, ids: torch.Tensor, positions: torch.Tensor, ance
         input_ids=ids[None],
         position_ids=positions[None],
         attention_mask=mask,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
         output_hidden_states=want_hidden,
         logits_to_keep=1 if last_only else 0,
@@ -112,8 +112,9 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
         pos = torch.cat([lengths[b] + s.depth for b, s in enumerate(shapes)])[None]
         set_packing(cache, rows.to(dev), slots.to(dev), N)
         try:
-            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, past_key_values=cache,
-                        use_cache=True, output_hidden_states=want_hidden, **{keyword: (rows * N + slots).to(dev)})
+            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+                        **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden,
+                        **{keyword: (rows * N + slots).to(dev)})
         finally:
             set_packing(cache)
         first = offsets[:-1]
@@ -124,8 +125,8 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
             ids[b, :shape.size] = torch.tensor(row)
             pos[b, :shape.size] = lengths[b] + shape.depth
             pos[b, shape.size:] = lengths[b]
-        out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, past_key_values=cache,
-                    use_cache=True, output_hidden_states=want_hidden)
+        out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+                    **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden)
         first = [b * N for b in range(B)]
     logits = out.logits.float().flatten(0, 1)
     hidden = out.hidden_states[-1].flatten(0, 1) if want_hidden else None

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 
 from . import backend
-from .cache import new_cache, text_config
+from .cache import cache_kwargs, new_cache, text_config
 from .home import hydraspec_home
 
 SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in row blocks, so cost is not smooth
@@ -72,15 +72,15 @@ def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 2) 
     start = torch.randint(10, min(vocab, 1000), (1, prefix), generator=g).to(dev)
     out = {}
     cache = new_cache(model, prefix + max(sizes) + 4)
-    model(input_ids=start, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    model(input_ids=start[:, :4], past_key_values=cache, use_cache=True)  # warm-up: the first forward pays for allocations
+    model(input_ids=start, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    model(input_ids=start[:, :4], **cache_kwargs(model, cache), use_cache=True)  # warm-up: the first forward pays for allocations
     cache.crop(prefix)
     for n in sizes:
         best = float("inf")
         for _ in range(repeats):
             x = torch.randint(10, min(vocab, 1000), (1, n), generator=g).to(dev)
             t = time.perf_counter()
-            model(input_ids=x, past_key_values=cache, use_cache=True)
+            model(input_ids=x, **cache_kwargs(model, cache), use_cache=True)
             best = min(best, time.perf_counter() - t)
             cache.crop(prefix)
         out[n] = max([best] + list(out.values()))

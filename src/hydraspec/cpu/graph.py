@@ -29,6 +29,7 @@ from functools import lru_cache
 import torch
 import torch.fx.experimental._config as fx_config
 
+from ..cache import cache_kwargs
 from . import ops
 
 __all__ = ["available", "compile_steps"]
@@ -50,8 +51,8 @@ def available() -> str | None:
 
 
 # the keywords of hydraspec's own model calls (hydraspec.verify); other callers (transformers' generate) run eagerly
-_STEP_KEYWORDS = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "output_hidden_states",
-                  "logits_to_keep"}
+_STEP_KEYWORDS = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
+                  "output_hidden_states", "logits_to_keep"}
 # the hydraspec modules whose forwards the compiled steps can trace (the others call ctypes only)
 _TRACEABLE = {"GGUFLinear", "GGUFEmbedding", "W4A8Linear", "DraftVocabHead", "FusedRMSNorm", "FusedGatedMLP",
               "SharedInput", "Projection"}
@@ -75,13 +76,14 @@ def _causal_mask(n: int, past: int) -> torch.Tensor:
     return mask.masked_fill_(later, torch.finfo(torch.bfloat16).min)[None, None]
 
 
-def _run(compiled, past: int, input_ids, past_key_values, position_ids=None, attention_mask=None, use_cache=True,
+def _run(compiled, past: int, cache: dict, input_ids, position_ids=None, attention_mask=None, use_cache=True,
          output_hidden_states=False, logits_to_keep=0):
     """Call the compiled forward with its arguments in one form, so that every caller shares two graphs (one
     row, several rows): the implied causal mask and positions filled in, logits for every row (the last
     kept afterwards where only they were asked for: a row's logits do not depend on the others).
     ``compiled``: the pair (plain forward, forward returning (logits, last hidden state)); with
-    output_hidden_states the second runs and ``hidden_states`` holds the last hidden state only."""
+    output_hidden_states the second runs and ``hidden_states`` holds the last hidden state only. ``cache``:
+    the KV cache under the keyword the model takes it by (hydraspec.cache.cache_kwargs)."""
     n = input_ids.shape[1]
     if attention_mask is None:
         attention_mask = _causal_mask(n, past)
@@ -89,14 +91,15 @@ def _run(compiled, past: int, input_ids, past_key_values, position_ids=None, att
         position_ids = torch.arange(past, past + n)[None]
     duck = fx_config.use_duck_shape  # off: sizes that happen to be equal (rows, heads) must not become one
     fx_config.use_duck_shape = False
-    kw = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-              past_key_values=past_key_values, use_cache=use_cache)
+    kw = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **cache,
+              use_cache=use_cache)
     try:
         if output_hidden_states:
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
             logits, hidden = compiled[1](**kw)
-            out = CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values, hidden_states=(hidden,))
+            out = CausalLMOutputWithPast(logits=logits, **cache_kwargs(CausalLMOutputWithPast, *cache.values()),
+                                         hidden_states=(hidden,))
         else:
             out = compiled[0](**kw, output_hidden_states=False, logits_to_keep=0)
     finally:
@@ -152,13 +155,15 @@ def compile_steps(model: torch.nn.Module) -> str | None:
         out = eager_forward(**kw, output_hidden_states=True, logits_to_keep=0)
         return out.logits, out.hidden_states[-1]
     compiled = (torch.compile(eager_forward, dynamic=True), torch.compile(with_hidden, dynamic=True))
+    key = next(iter(cache_kwargs(model, None)))  # the keyword the model's forward takes its cache by
 
     def forward(*args, **kwargs):
         if not args and _step(kwargs) and not torch.is_grad_enabled():
-            cache = kwargs.get("past_key_values")
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             past = 0 if cache is None else cache.get_seq_length()
             if past:  # a step after a prompt (a forward from an empty cache is a prefill: eager)
-                return _run(compiled, past, **kwargs)
+                rest = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+                return _run(compiled, past, {key: cache}, **rest)
         return eager_forward(*args, **kwargs)
     model.forward = forward
     model.hs_compiled = True

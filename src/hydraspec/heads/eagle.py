@@ -20,6 +20,7 @@ import copy
 import torch
 from torch import nn
 
+from ..cache import cache_kwargs
 from ..errors import HydraspecError
 from .modules import Heads
 
@@ -96,7 +97,7 @@ class EagleHeads(Heads):
         pos = positions[None]
         cos_sin = self._rotary[0](x, pos)
         for layer in self.layers:
-            out = layer(hidden_states=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
+            out = layer(hidden_states=x, attention_mask=mask, position_ids=pos, **cache_kwargs(layer, cache),
                         use_cache=cache is not None, position_embeddings=cos_sin)
             x = out[0] if isinstance(out, tuple) else out
         return x[0]

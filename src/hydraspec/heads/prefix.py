@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..backend import unpack
+from ..cache import cache_kwargs
 
 
 def _decoder(model):
@@ -71,7 +72,7 @@ class PrefixLayer(nn.Module):
         allowed = torch.arange(total, device=dev)[None, :] <= pos[0][:, None]  # [n, total] causal
         mask = torch.zeros(n, total, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
         out = self.layer(hidden_states=x, attention_mask=mask[None, None], position_ids=pos,
-                         past_key_values=cache, use_cache=cache is not None, position_embeddings=cos_sin)
+                         **cache_kwargs(self.layer, cache), use_cache=cache is not None, position_embeddings=cos_sin)
         if isinstance(out, tuple):
             out = out[0]
         return out[0]

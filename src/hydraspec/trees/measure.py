@@ -119,7 +119,7 @@ def time_batch_verify(model, order: list[list[int]], seq: list[int], plen: int, 
     """{n: seconds}: the median of `reps` verify forwards of `batch` rows, each holding the pending token
     and T_n under its tree mask after the same calibration prefix (what one step of the batched engine
     costs when every row drafts T_n)."""
-    from ..cache import new_cache
+    from ..cache import cache_kwargs, new_cache
     from ..verify import tree_mask
 
     dev = model.device
@@ -127,7 +127,7 @@ def time_batch_verify(model, order: list[list[int]], seq: list[int], plen: int, 
     L = len(prefix) - 1
     cache = new_cache(model, L + max(sizes) + 2)
     rows = torch.tensor([prefix[:-1]] * batch, device=dev)
-    model(input_ids=rows, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=rows, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     out = {}
     for n in sizes:
         _, shape, ids, positions = _verify_inputs(order, n, prefix, seq)
@@ -138,7 +138,8 @@ def time_batch_verify(model, order: list[list[int]], seq: list[int], plen: int, 
         for _ in range(reps + 1):
             _sync(dev)
             t0 = time.perf_counter()
-            model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache),
+                  use_cache=True)
             _sync(dev)
             times.append(time.perf_counter() - t0)
             cache.crop(L)
