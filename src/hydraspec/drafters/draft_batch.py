@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import allocate_rows, compact, copy_rows, new_cache, prefill_rows, select_rows, set_length, use_rows
+from ..cache import allocate_rows, cache_kwargs, compact, copy_rows, new_cache, prefill_rows, select_rows, set_length, use_rows
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, chain
 from ..verify import ragged_mask
@@ -95,7 +95,7 @@ class DraftBatch:
         set_length(self.cache, W)
         mask = ragged_mask([r.length for r in rows], W, tree_allowed, self.model.dtype, dev)
         out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
+                         use_cache=True, **cache_kwargs(self.model, self.cache))
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
         logits = out.logits[torch.arange(B, device=last.device), last].float()
         compact(self.cache, src.to(dev), dst.to(dev))
