@@ -170,7 +170,7 @@ def test_loader_maps_every_tensor_as_transformers_does(tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from hydraspec.cpu.gguf import build_model
+    from hydraspec.cpu.gguf_load import build_model
 
     path = tmp_path / "tiny.gguf"
     _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1", "Q5_K", "Q4_0", "Q5_1"])
@@ -202,7 +202,7 @@ def test_draft_vocabulary_cut_at_load_equals_the_cut_after_it(tmp_path, output):
     from transformers import LlamaConfig
 
     from hydraspec.draft_vocab import DraftVocabHead, kept_ids, trim_draft_vocab
-    from hydraspec.cpu.gguf import build_model
+    from hydraspec.cpu.gguf_load import build_model
 
     path = tmp_path / "tiny.gguf"
     _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q8_0"], output=output)

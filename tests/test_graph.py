@@ -183,7 +183,7 @@ def _tiny_w4a8_draft(path):
 
     from hydraspec.backend import fuse_ops
     from hydraspec.cpu.attention import register
-    from hydraspec.cpu.gguf import build_model
+    from hydraspec.cpu.gguf_load import build_model
     from hydraspec.draft_vocab import trim_draft_vocab
     from hydraspec.quantize import quantize_draft
 
@@ -204,7 +204,7 @@ def test_a_compiled_w4a8_draft_drafts_what_the_eager_one_drafts(tmp_path):
     the eager draft's logits bit for bit."""
     from hydraspec.backend import compile_steps
     from hydraspec.cache import new_cache
-    from hydraspec.cpu.kernels import W4A8Linear
+    from hydraspec.cpu.quantized import W4A8Linear
     from hydraspec.verify import forward_nodes
 
     _graph_or_skip()

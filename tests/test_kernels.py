@@ -98,7 +98,7 @@ def test_packed_linear_uses_native_kernel_for_bf16(kernel_path):
 @pytest.mark.parametrize("use_native", [True, False])
 def test_int8_linear_matches_its_dequantized_weight(use_native, monkeypatch):
     from hydraspec.cpu import kernels
-    from hydraspec.cpu.kernels import Int8Linear
+    from hydraspec.cpu.quantized import Int8Linear
     if use_native and kernels.native_lib() is None:
         pytest.skip("native kernel not built here")
     if not use_native:
@@ -124,7 +124,7 @@ def test_w8a8_native_kernel_is_the_integer_arithmetic(isa, monkeypatch):
     3 with AVX2) and an input size that is not a multiple of 4; and close to the unquantised product.
     "avx2" forces the AVX2 build (vpmaddubsw), which AVX-512 CPUs run too."""
     from hydraspec.cpu import kernels
-    from hydraspec.cpu.kernels import W8A8Linear
+    from hydraspec.cpu.quantized import W8A8Linear
     lib = _int8_dot_build(isa, monkeypatch)
     torch.manual_seed(7)
     lin = nn.Linear(130, 45, bias=True).to(torch.bfloat16)
@@ -169,7 +169,7 @@ def test_w4a8_linear_is_its_integer_arithmetic(isa, group, monkeypatch):
     Groups of 64 inputs take two int16 rounds of the AVX2 kernel, groups of 32 one.
     (The torch path alone runs in the draft-model test below: tiny fp32 models do not take the kernel.)"""
     from hydraspec.cpu import kernels
-    from hydraspec.cpu.kernels import W4A8Linear
+    from hydraspec.cpu.quantized import W4A8Linear
     lib = _int8_dot_build(isa, monkeypatch)
     torch.manual_seed(8)
     lin = nn.Linear(128, 45, bias=True).to(torch.bfloat16)
@@ -199,11 +199,11 @@ def test_w4a8_linear_is_its_integer_arithmetic(isa, group, monkeypatch):
 @pytest.mark.parametrize("how", ["int8", "w8a8", "w4a8"])
 def test_quantised_draft_model_keeps_output_exact(how, tok):
     """Quantising the drafter may change acceptance, never the output (fp32 target, greedy)."""
-    from hydraspec.cpu import kernels
-    kind = {"int8": kernels.Int8Linear, "w8a8": kernels.W8A8Linear, "w4a8": kernels.W4A8Linear}[how]
+    from hydraspec.cpu import quantized
+    kind = {"int8": quantized.Int8Linear, "w8a8": quantized.W8A8Linear, "w4a8": quantized.W4A8Linear}[how]
     target = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2, init_range=0.05)
     draft = copy.deepcopy(target)
-    assert getattr(kernels, f"quantize_{how}")(draft) == 2 * 7 + 1
+    assert getattr(quantized, f"quantize_{how}")(draft) == 2 * 7 + 1
     assert isinstance(draft.lm_head, kind)
     prompt = [4, 8, 15, 16, 23, 42]
     ref = tiny.hf_greedy(target, prompt, 24)
@@ -215,7 +215,7 @@ def test_quantised_draft_model_keeps_output_exact(how, tok):
 
 
 def test_w4a8_group_sizes_and_fallback():
-    from hydraspec.cpu.kernels import W4A8Linear, W8A8Linear, quantize_w4a8
+    from hydraspec.cpu.quantized import W4A8Linear, W8A8Linear, quantize_w4a8
     draft = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2)
     quantize_w4a8(draft)
     assert {m.group for m in draft.modules() if isinstance(m, W4A8Linear)} == {32, 64}  # 96 and 192 inputs
@@ -231,7 +231,8 @@ def test_avx2_kernel_sums_like_the_avx512_kernel(in_features, monkeypatch):
     take its whole-block pass, more rows its half-block passes); on an AVX2-only CPU it matches the
     float64 product."""
     from hydraspec.cpu import kernels
-    from hydraspec.cpu.kernels import Int8Linear, native_linear_bf16
+    from hydraspec.cpu.kernels import native_linear_bf16
+    from hydraspec.cpu.quantized import Int8Linear
     if not kernels.cpu_runs("avx2"):
         pytest.skip("no AVX2 + FMA on this CPU")
     avx2 = kernels.build_native("avx2")
@@ -281,7 +282,7 @@ def test_reports_name_the_cpu_kernel(monkeypatch):
 def test_w4a8_draft_refused_without_an_int8_dot_kernel(monkeypatch):
     """--draft-quant w8a8/w4a8 needs the native int8 dot-product kernel (AVX512_VNNI or AVX2): without it
     the request is refused with a message that names the way out, and nothing is quantised."""
-    from hydraspec.cpu import kernels
+    from hydraspec.cpu import kernels, quantized
     from hydraspec.errors import HydraspecError
     from hydraspec.quantize import quantize_draft
     draft = tiny.make_model("llama", seed=11, hidden=96, heads=4, kv_heads=2)
@@ -289,15 +290,15 @@ def test_w4a8_draft_refused_without_an_int8_dot_kernel(monkeypatch):
     for how in ("w8a8", "w4a8"):
         with pytest.raises(HydraspecError, match="use int8"):
             quantize_draft(draft, how)
-    assert not any(isinstance(m, (kernels.W4A8Linear, kernels.W8A8Linear)) for m in draft.modules())
+    assert not any(isinstance(m, (quantized.W4A8Linear, quantized.W8A8Linear)) for m in draft.modules())
     quantize_draft(draft, "int8")  # int8 weights need no int8 dot products
-    assert isinstance(draft.lm_head, kernels.Int8Linear)
+    assert isinstance(draft.lm_head, quantized.Int8Linear)
 
 
 def test_w4a8_built_chunk_by_chunk_equals_built_whole(monkeypatch):
     """Re-quantising a weight a chunk of rows at a time (so no dense copy of a large weight is made) gives the
     same codes and scales as one pass over all rows, for a plain Linear and for a GGUF weight."""
-    import hydraspec.cpu.kernels as k
+    import hydraspec.cpu.quantized as k
     from hydraspec.cpu.gguf import GGUFLinear, decode
     from test_gguf import random_tensor
 
@@ -316,7 +317,7 @@ def test_w4a8_built_chunk_by_chunk_equals_built_whole(monkeypatch):
 def test_w4a8_draft_joins_sibling_projections_exactly(native, monkeypatch):
     """quantize_draft(w4a8) joins q/k/v and gate/up into one 4-bit weight each; every output equals the
     separate weight's, with the native kernel and with its torch reference."""
-    from hydraspec.cpu import kernels
+    from hydraspec.cpu import kernels, quantized
     from hydraspec.quantize import quantize_draft
     from hydraspec.shared_input import Projection, SharedInput
 
@@ -324,13 +325,13 @@ def test_w4a8_draft_joins_sibling_projections_exactly(native, monkeypatch):
         monkeypatch.setattr(kernels, "int8_dot_lib", lambda: None)
     base = tiny.make_model("qwen2", seed=5, hidden=128, heads=4, kv_heads=2, init_range=0.05).to(torch.bfloat16)
     separate = copy.deepcopy(base)
-    kernels.quantize_w4a8(separate)
+    quantized.quantize_w4a8(separate)
     if native and kernels.int8_dot_lib() is None:
         pytest.skip("no int8 dot-product kernel on this machine")
     joined = quantize_draft(base, "w4a8") if native else _quantize_draft_with_reference(base, monkeypatch)
     shared = [m for m in joined.modules() if isinstance(m, SharedInput)]
     assert len(shared) == 2 * 2  # q/k/v and gate/up of both layers
-    assert all(isinstance(m.joined, kernels.W4A8Linear) for m in shared)
+    assert all(isinstance(m.joined, quantized.W4A8Linear) for m in shared)
     assert isinstance(joined.model.layers[0].self_attn.v_proj, Projection)
     ids = torch.tensor([[3, 17, 44, 9, 61, 2, 30]])
     with torch.inference_mode():

@@ -1,6 +1,7 @@
 """The package's layering, read from the source: every module under src/hydraspec is parsed with ast (imports
 at any depth: module level, in functions, relative or absolute) into an import graph, which must have no cycle;
-only cli.py imports hydraspec.cli; no module imports another's private (leading underscore) name."""
+only cli.py imports hydraspec.cli; only backend.py, quantize.py and the models package import the CPU backend
+(hydraspec.cpu); no module imports another's private (leading underscore) name."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +11,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "hydraspec"
+# the modules that may import the CPU backend (besides the backend's own): the seam, the draft quantizer and the
+# loader
+CPU_GATES = (f"{ROOT}.backend", f"{ROOT}.quantize", f"{ROOT}.models")
 
 
 def module_names(src: Path = SRC) -> dict[str, Path]:
@@ -116,6 +120,10 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
     return None
 
 
+def is_cpu(module: str) -> bool:
+    return module == f"{ROOT}.cpu" or module.startswith(f"{ROOT}.cpu.")
+
+
 def layer_problems(src: Path = SRC) -> list[str]:
     modules = module_names(src)
     graph, found = import_graph(modules)
@@ -127,6 +135,8 @@ def layer_problems(src: Path = SRC) -> list[str]:
     for name, target, imported, line in found:
         if target == f"{ROOT}.cli" and name != target:
             problems.append(f"{name} line {line} imports {ROOT}.cli: only the command line may")
+        if is_cpu(target) and not is_cpu(name) and not any(name == g or name.startswith(g + ".") for g in CPU_GATES):
+            problems.append(f"{name} line {line} imports {target}: only {', '.join(CPU_GATES)} reach the CPU backend")
         private = imported is not None and imported.startswith("_") and not \
             (imported.startswith("__") and imported.endswith("__"))
         if private and target != name:
@@ -144,6 +154,8 @@ BAD = {
     "private": ("engine.py", "\nfrom .cache import _nothing  # noqa\n"),
     "private, from a parent package's module": ("drafters/base.py", "\nfrom ..errors import _secret  # noqa\n"),
     "cli": ("bench/stats.py", "\n\ndef _late():\n    import hydraspec.cli\n"),
+    "cpu": ("heads/modules.py", "\n\ndef _late():\n    from ..cpu import kernels  # noqa\n"),
+    "cpu, a package import": ("trees/measure.py", "\nimport hydraspec.cpu.gguf  # noqa\n"),
 }
 
 
@@ -156,7 +168,8 @@ def test_the_check_fails_on_a_bad_import(tmp_path, case):
     rel, code = BAD[case]
     path = tmp_path / ROOT / rel
     path.write_text(path.read_text() + code)
-    word = {"cycle": "import cycle", "cli": "imports hydraspec.cli"}.get(case, "imports the private name")
+    word = {"cycle": "import cycle", "cli": "imports hydraspec.cli", "cpu": "reach the CPU backend",
+            "cpu, a package import": "reach the CPU backend"}.get(case, "imports the private name")
     assert any(word in p for p in layer_problems(tmp_path))  # (a cli import is also a cycle)
 
 

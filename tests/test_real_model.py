@@ -98,7 +98,7 @@ def test_cheaper_draft_of_a_gguf_model_changes_nothing_but_speed_on_smollm2():
     its vocabulary: its tokens outside the cut are never proposed, and the answer is still plain decoding's."""
     from hydraspec.draft_vocab import DraftVocabHead
     from hydraspec.cpu.gguf import _gguf_lib
-    from hydraspec.cpu.kernels import W4A8Linear
+    from hydraspec.cpu.quantized import W4A8Linear
     from hydraspec.models import load_draft_model, load_model
 
     if _gguf_lib() is None:

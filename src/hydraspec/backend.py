@@ -9,84 +9,66 @@ import platform
 import torch
 from torch import nn
 
+from .cpu import attention, build, graph, kernels, mlp, norm, pages, quantized, rope
+
 __all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe",
            "build_id", "cpu_model", "huge_pages", "compile_steps"]
 
 
 def prepack(module: nn.Module) -> int:
     """Put the module's CPU Linear layers on the backend's kernels (a no-op without them). Returns how many."""
-    from .cpu import kernels
-
     return kernels.prepack(module)
 
 
 def unpack(module: nn.Module) -> nn.Module:
     """Back to plain Linear layers sharing the same weights (for modules that are going to be trained)."""
-    from .cpu import kernels
-
     return kernels.unpack(module)
 
 
 def follow_base(lin: nn.Linear, base: nn.Module) -> nn.Module:
     """``lin`` (rows of ``base``'s weight) on the kernels that ``base`` runs on."""
-    from .cpu import kernels
-
     return kernels.PackedLinear(lin) if isinstance(base, kernels.PackedLinear) else lin
 
 
 def fuse_ops(model: nn.Module) -> dict[str, int]:
     """Put the model's RMSNorms, rotary embedding and gated MLPs on the backend's fused ops where their stock
     code is Llama's (a no-op without them); returns how many of each."""
-    from .cpu import mlp, norm, rope
-
     return {"norms": norm.fuse_norms(model), "rope": rope.fuse_rope(model), "mlps": mlp.fuse_mlps(model)}
 
 
 def huge_pages(model: nn.Module) -> int:
     """Move the model's large CPU tensors into 2 MB pages (hydraspec.cpu.pages; the numbers do not change);
     returns the bytes moved, 0 where huge pages are off or unavailable. The old pages go back to the system."""
-    from .cpu import pages
-
     return pages.to_huge_pages(model)
 
 
 def compile_steps(model: nn.Module) -> str | None:
     """Run the model's one-token forwards as compiled steps (hydraspec.cpu.graph: torch.compile over the stock
     classes, the same kernels and the same numbers); None when done, else why not (the model is unchanged)."""
-    from .cpu import graph
-
     return graph.compile_steps(model)
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, cols] -> int8 codes and one fp32 scale per row (symmetric, absmax / 127), as the int8 kernels
     hold their weights."""
-    from .cpu import kernels
-
-    return kernels.int8_per_row(weight)
+    return quantized.int8_per_row(weight)
 
 
 def packed_keyword(model: nn.Module) -> str | None:
     """The model-call keyword that runs a packed forward (several cached sequences' new tokens as one
     sequence, see hydraspec.cpu.attention.packed_attention) where the model runs the backend's attention;
     None where it cannot."""
-    from .cpu import attention
-
     return attention.PACKED if getattr(model.config, "_attn_implementation", None) == attention.NAME else None
 
 
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX)."""
-    from .cpu import kernels
-
     return kernels.cpu_has_bf16()
 
 
 def describe() -> str:
     """Which native build runs here ("torch" without one), and whether the fused ops (RMSNorm, attention,
     rotary embedding, gated MLP) are on."""
-    from .cpu import kernels
-
     text = kernels.describe()
     if text != "torch" and kernels.fused_lib() is None:
         text += ", fused ops off"  # HYDRASPEC_FUSED=0: those ops in torch
@@ -96,8 +78,6 @@ def describe() -> str:
 def build_id() -> str:
     """The native library this process computes with, by file name (it carries a hash of the sources and
     flags), or "torch": a timing taken under one build says nothing about another."""
-    from .cpu import build, kernels
-
     isa = kernels.native_isa()
     name = build.library_name(isa) if isa is not None and kernels.native_lib() is not None else None
     return name or "torch"

@@ -1,5 +1,5 @@
 """Draft-model quantisation on the CPU backend: a draft model's Linear weights held as int8, or as int8 / 4-bit
-codes multiplied with int8 activations (hydraspec.cpu.kernels' Int8Linear, W8A8Linear, W4A8Linear).
+codes multiplied with int8 activations (hydraspec.cpu.quantized's Int8Linear, W8A8Linear, W4A8Linear).
 
 Guarantee: only drafters are quantised. In speculative decoding (Leviathan et al. 2023) the verified output
 comes from the unquantised target, so quantising a draft changes how many draft tokens are accepted, never
@@ -7,7 +7,9 @@ the generated text.
 """
 from __future__ import annotations
 
+from .cpu import kernels, quantized
 from .errors import HydraspecError
+from .shared_input import fuse_siblings
 
 __all__ = ["DRAFT_QUANT", "auto_draft_quant", "quantize_draft"]
 
@@ -21,14 +23,12 @@ def auto_draft_quant(weights: str) -> str:
     stays "none"."""
     if weights != "gguf":
         return weights
-    from .cpu.kernels import int8_dot_lib
-
-    return "w4a8" if int8_dot_lib() is not None else "gguf"
+    return "w4a8" if kernels.int8_dot_lib() is not None else "gguf"
 
 
 def quantize_draft(model, how: str | None):
     """Quantise a draft model's Linear weights in place (``how``: none | int8 | w8a8 | w4a8, see
-    hydraspec.cpu.kernels.Int8Linear / W8A8Linear / W4A8Linear); returns the model. With w4a8 the sibling
+    hydraspec.cpu.quantized.Int8Linear / W8A8Linear / W4A8Linear); returns the model. With w4a8 the sibling
     projections of a layer (q/k/v, gate/up) are then joined into one weight each (hydraspec.shared_input)."""
     if how in (None, "none"):
         return model
@@ -36,16 +36,11 @@ def quantize_draft(model, how: str | None):
         raise HydraspecError(f"unknown draft quantisation '{how}' (known: {', '.join(DRAFT_QUANT)})")
     if next(model.parameters()).device.type != "cpu":
         raise HydraspecError(f"--draft-quant {how} runs on the CPU kernel only; drop it for GPU drafters")
-    from .cpu.kernels import int8_dot_lib, quantize_int8, quantize_w4a8, quantize_w8a8, release_free_memory
-
-    if how in ("w8a8", "w4a8") and int8_dot_lib() is None:
+    if how in ("w8a8", "w4a8") and kernels.int8_dot_lib() is None:
         raise HydraspecError(f"--draft-quant {how} needs the native CPU kernel (AVX2 or AVX512_VNNI and a C "
                              "compiler); use int8")
-    {"int8": quantize_int8, "w8a8": quantize_w8a8, "w4a8": quantize_w4a8}[how](model)
+    {"int8": quantized.quantize_int8, "w8a8": quantized.quantize_w8a8, "w4a8": quantized.quantize_w4a8}[how](model)
     if how == "w4a8":  # q/k/v and gate/up in one kernel call each, as at the file's precision
-        from .cpu.kernels import W4A8Linear, can_join_w4a8
-        from .shared_input import fuse_siblings
-
-        fuse_siblings(model, can_join_w4a8, W4A8Linear.concat)
-    release_free_memory()  # the replaced weights' pages
+        fuse_siblings(model, quantized.can_join_w4a8, quantized.W4A8Linear.concat)
+    kernels.release_free_memory()  # the replaced weights' pages
     return model

@@ -1,8 +1,8 @@
 """An attention function for decoding and tree verification on the CPU, registered with transformers.
 
 PyTorch's CPU `scaled_dot_product_attention` is tuned for long query blocks. For the few queries of a
-decoding step or a verify step it costs 0.2-0.8 ms per layer in bf16 (growing in steps with the
-context), far more than the arithmetic. `hydraspec_cpu` computes those cases directly: grouped-query
+decoding step or a verify step it costs far more than the arithmetic (growing in steps with the context;
+docs/cpu-kernels.md, "Measurements behind the code"). `hydraspec_cpu` computes those cases directly: grouped-query
 heads are folded into the query rows (no repeated keys), scores and softmax in float32, then the
 weighted values. Prefill (many queries) and anything unusual (softcap, attention sinks, dropout,
 output_attentions, a maskless multi-query call, a GPU tensor, training with gradients) goes to
@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import transformers
 
 from . import kernels, ops
 
@@ -26,9 +27,7 @@ PACKED = "hs_packed_index"  # the model-call keyword that marks a packed forward
 
 
 def _fallback(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return transformers.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -116,7 +115,7 @@ def _kernel_takes(query, key, value, attention_mask) -> bool:
 def _native(query, key, value, attention_mask, scale: float):
     """The same attention as one call of the native kernel (``hs_attention``, csrc/hs_ops.h), or None where
     it does not apply (no kernel, other dtypes, a per-head mask, strided last dimensions)."""
-    lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
+    lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED (or a patched fused_lib) switches it
     if (lib is None or query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1
             or not _kernel_takes(query, key, value, attention_mask)):
         return None  # also per-head masks, additive masks of another dtype: the torch path
@@ -146,11 +145,8 @@ _registered = False
 def register() -> str:
     """Register the function with transformers (once); returns its attn_implementation name."""
     global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionInterface.register(NAME, cpu_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+    if not _registered:  # (transformers loads these modules on first use)
+        transformers.AttentionInterface.register(NAME, cpu_attention)
+        transformers.masking_utils.AttentionMaskInterface.register(NAME, transformers.masking_utils.sdpa_mask)
         _registered = True
     return NAME

@@ -20,151 +20,18 @@ what plain decoding computes.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from hydraspec.errors import HydraspecError
-from hydraspec.cpu import ops
-from hydraspec.cpu.kernels import release_free_memory
+from . import kernels, ops
+from ..errors import HydraspecError
+from .gguf_blocks import SUPPORTED, QuantWeight, decode
 
 __all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped"]
 
 PACK_BLOCK = 32
-
-
-@dataclass
-class QuantWeight:
-    """One GGUF matrix [rows, cols] as codes (uint8, one per weight), ``bits`` kept (4, 6 or 8), group size,
-    fp32 ``scale`` [rows, cols/group] and ``min`` (same shape) or integer zero point ``zero``."""
-
-    codes: np.ndarray
-    bits: int
-    group: int
-    scale: np.ndarray
-    min: np.ndarray | None
-    zero: int
-    # K-quants: scale = d * sub_scale, min = dmin * sub_min with one d / dmin per 256 inputs (kept in two levels)
-    d: np.ndarray | None = None
-    sub_scale: np.ndarray | None = None
-    dmin: np.ndarray | None = None
-    sub_min: np.ndarray | None = None
-
-    def dequantize(self) -> np.ndarray:
-        """float32 [rows, cols], as gguf-py computes it."""
-        rows, cols = self.codes.shape
-        c = self.codes.reshape(rows, -1, self.group)
-        s = self.scale[..., None]
-        if self.min is None:
-            w = s * (c.astype(np.int16) - self.zero).astype(np.float32)
-        else:
-            w = s * c.astype(np.float32) - self.min[..., None]
-        return w.reshape(rows, cols)
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    return b.copy().view(np.float16).astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[n, 16] bytes -> [n, 32] codes: the low nibbles first, then the high ones (ggml's 32-blocks)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _q8_0(b):
-    d, qs = _f16(b[:, :2]), b[:, 2:]
-    return (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8), 8, 32, d, None, 128
-
-
-def _q4_0(b):
-    return _nibbles(b[:, 2:]), 4, 32, _f16(b[:, :2]), None, 8
-
-
-def _q4_1(b):
-    return _nibbles(b[:, 4:]), 4, 32, _f16(b[:, :2]), -_f16(b[:, 2:4]), 0
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """[n, 4] bytes (a little-endian uint32) -> [n, 32] fifth bits."""
-    return ((qh.copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-
-
-def _q5_0(b):
-    return _nibbles(b[:, 6:]) | (_high_bits(b[:, 2:6]) << 4), 6, 32, _f16(b[:, :2]), None, 16
-
-
-def _q5_1(b):
-    return _nibbles(b[:, 8:]) | (_high_bits(b[:, 4:8]) << 4), 6, 32, _f16(b[:, :2]), -_f16(b[:, 2:4]), 0
-
-
-def _k_scales(b):
-    """Q4_K / Q5_K super-block header -> d, dmin [n, 1] and the 6-bit sub-scales and sub-mins [n, 8]."""
-    from gguf.quants import Q4_K
-
-    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
-    return _f16(b[:, :2]), _f16(b[:, 2:4]), sc.astype(np.int8), m.astype(np.int8)
-
-
-def _two_level(codes, bits, group, d, sc, dmin=None, m=None):
-    """A K-quant's decoding: scale = d * sc and min = dmin * m in fp32, as gguf-py computes them."""
-    scale = d * sc.astype(np.float32)
-    mn = None if dmin is None else dmin * m.astype(np.float32)
-    return codes, bits, group, scale, mn, 0 if dmin is not None else 32, (d, sc, dmin, m)
-
-
-def _q4_k(b):
-    n = b.shape[0]
-    d, dmin, sc, m = _k_scales(b)
-    qs = b[:, 16:144].reshape(n, 4, 32)  # 4 chunks of 64 values: low nibbles, then high nibbles
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
-    return _two_level(codes, 4, 32, d, sc, dmin, m)
-
-
-def _q5_k(b):
-    n = b.shape[0]
-    d, dmin, sc, m = _k_scales(b)
-    qh, qs = b[:, 16:48], b[:, 48:176].reshape(n, 4, 32)
-    low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
-    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    return _two_level((low | (high << 4)).reshape(n, 256), 6, 32, d, sc, dmin, m)
-
-
-def _q6_k(b):
-    n = b.shape[0]
-    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
-    low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    codes = low.reshape(n, 2, 4, 32) | (high.reshape(n, 2, 4, 32) << 4)
-    return _two_level(codes.reshape(n, 256), 6, 16, d, sc.copy().view(np.int8))
-
-
-# type name -> (values per block, bytes per block, decoder of [n_blocks, bytes] -> codes [n, values], ...)
-_DECODERS = {
-    "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
-    "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
-}
-SUPPORTED = tuple(_DECODERS)
-
-
-def decode(type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantWeight:
-    """The GGUF tensor bytes ``raw`` (any shape, ``rows * cols`` values of ``type_name``) as a QuantWeight."""
-    if type_name not in _DECODERS:
-        raise HydraspecError(f"GGUF type {type_name} cannot be held at its own precision "
-                             f"(supported: {', '.join(SUPPORTED)}); load the model with --quant none")
-    per, nbytes, fn = _DECODERS[type_name]
-    if cols % per:
-        raise HydraspecError(f"GGUF {type_name} tensor with {cols} columns is not whole blocks of {per}")
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // per, nbytes)
-    codes, bits, group, scale, mn, zero, *levels = fn(blocks)
-
-    def per_row(a, dtype):
-        return None if a is None else np.ascontiguousarray(a.reshape(rows, -1), dtype=dtype)
-    d, sc, dmin, m = levels[0] if levels else (None,) * 4
-    return QuantWeight(np.ascontiguousarray(codes.reshape(rows, cols)), bits, group,
-                       per_row(scale, np.float32), per_row(mn, np.float32), zero,
-                       per_row(d, np.float32), per_row(sc, np.int8), per_row(dmin, np.float32), per_row(m, np.int8))
 
 
 def quantize_rows_grouped(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,8 +65,6 @@ def can_concat(parts: list["GGUFLinear"]) -> bool:
 
 
 def _gguf_lib():
-    from . import kernels
-
     lib = kernels.int8_dot_lib()
     return lib if lib is not None and hasattr(lib, "hs_gguf_apply") else None
 
@@ -346,7 +211,7 @@ class GGUFLinear(nn.Module):
                          lv("d"), lv("sub_scale"), lv("dmin"), lv("sub_min"))
         return GGUFLinear(qw, None if self.bias32 is None else self.bias32[rows])
 
-    requantizable = True  # a draft model's GGUF weights may be re-quantized (kernels.quantize_w4a8 ...)
+    requantizable = True  # a draft model's GGUF weights may be re-quantized (quantized.quantize_w4a8 ...)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -481,129 +346,3 @@ class GGUFEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, GGUF rows"
-
-
-def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
-    """How transformers' tensor processor reorders the rows of GGUF tensor ``name`` (llama's q/k heads are
-    stored permuted), as a permutation, or None when it keeps them; anything else it does is refused."""
-    probe = np.arange(rows, dtype=np.int64).reshape(rows, 1)
-    out = np.asarray(processor.process(weights=probe, name=name).weights).reshape(-1)
-    if out.shape == (rows,) and np.array_equal(np.sort(out), probe[:, 0]):
-        return None if np.array_equal(out, probe[:, 0]) else out
-    raise HydraspecError(f"GGUF tensor {name}: transformers changes its values on loading; "
-                         "it cannot be held at the file's precision (load with --quant none)")
-
-
-class RowReader:
-    """Rows [r0, r1) of a tensor in an open file, read when sliced: a large tensor is never held whole."""
-
-    def __init__(self, handle, offset: int, rows: int, row_bytes: int):
-        self.handle, self.offset, self.row_bytes = handle, offset, row_bytes
-        self.shape = (rows, row_bytes)
-
-    def __getitem__(self, rows: slice) -> np.ndarray:
-        r0, r1, _ = rows.indices(self.shape[0])
-        self.handle.seek(self.offset + r0 * self.row_bytes)
-        data = self.handle.read(max(r1 - r0, 0) * self.row_bytes)
-        return np.frombuffer(data, dtype=np.uint8).reshape(-1, self.row_bytes)
-
-
-def _some_rows(data: RowReader, rows: np.ndarray, chunk: int = 4096) -> np.ndarray:
-    """The rows ``rows`` (sorted) of a tensor in a file, read ``chunk`` rows at a time."""
-    parts = []
-    for r0 in range(0, data.shape[0], chunk):
-        sel = rows[(rows >= r0) & (rows < r0 + chunk)]
-        if len(sel):
-            parts.append(data[r0:r0 + chunk][sel - r0].copy())
-    return np.concatenate(parts) if parts else np.zeros((0, data.shape[1]), np.uint8)
-
-
-def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str | None = None,
-                progress: bool = True, output_rows: torch.Tensor | None = None):
-    """The stock transformers model for ``config`` with the weights of ``gguf_file``: every Linear whose
-    tensor is of a :data:`SUPPORTED` type becomes a :class:`GGUFLinear`, a quantized embedding a
-    :class:`GGUFEmbedding`; float tensors (norms, biases) are loaded in ``dtype`` (biases fp32 in the
-    kernel). The model is built on the meta device first, so no dense copy of the weights is ever made.
-    ``output_rows`` (sorted token ids): the output layer covers those ids only (a draft's vocabulary cut,
-    :func:`hydraspec.draft_vocab.cut_output`); an output tensor of its own is then read for those rows only."""
-    from accelerate import init_empty_weights
-    from gguf import GGUFReader, dequantize
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
-    cut = output_rows
-    reader = GGUFReader(str(gguf_file))
-    arch = str(reader.fields["general.architecture"].contents())
-    reader.fields.clear()  # the metadata (the tokenizer's ~300k strings) costs ~0.4 GB as parsed objects
-    kwargs = {"dtype": dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    mapping = get_gguf_hf_weights_map(model, processor)
-    out_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
-    quantized: dict[str, GGUFLinear] = {}  # module name -> its weight at the file's precision
-    dense: dict[str, torch.Tensor] = {}  # parameter name -> tensor
-    # what each tensor is and where it lies; the reader (and its memory map) goes before any weight is read
-    tensors = [(t.name, t.tensor_type, int(t.shape[1]) if len(t.shape) > 1 else 1, int(t.shape[0]), int(t.data_offset),
-                int(t.n_bytes), t.data.dtype, t.data.shape) for t in reader.tensors]
-    del reader
-    # tensors are read with plain file reads: pages of a memory map would count as resident memory
-    handle = open(gguf_file, "rb")
-    for i, (name, qtype, rows, cols, offset, nbytes, dtype_, shape) in enumerate(
-            tqdm(tensors, desc="loading GGUF weights", disable=not progress)):
-        if i % 16 == 15:
-            release_free_memory()  # the decoding's temporaries, before they add up
-        hf = mapping.get(name)
-        if hf is None:
-            continue
-        mod_name, pname = hf.rsplit(".", 1)
-        mod = model.get_submodule(mod_name)
-        kind = qtype.name
-        if pname == "weight" and isinstance(mod, (nn.Linear, nn.Embedding)) and kind not in ("F32", "F16", "BF16"):
-            perm = _row_order(processor, name, rows)
-            data = RowReader(handle, offset, rows, nbytes // rows)
-            if perm is not None:  # rows in another order: read the tensor whole
-                data = data[0:rows]
-            if output_rows is not None and mod_name == out_name and perm is None:
-                data, rows = _some_rows(data, output_rows.numpy()), len(output_rows)
-                output_rows = None  # done: the layer holds just these rows
-            quantized[mod_name] = GGUFLinear.from_gguf(kind, data, rows, cols, perm)
-        else:
-            handle.seek(offset)
-            data = np.frombuffer(handle.read(nbytes), dtype=np.uint8)
-            arr = processor.process(weights=dequantize(data.view(dtype_).reshape(shape), qtype), name=name).weights
-            dense[hf] = torch.from_numpy(np.array(arr))
-    handle.close()
-    for name, mod in list(model.named_modules()):
-        if name in quantized:
-            table = quantized[name]
-            if isinstance(mod, nn.Embedding):
-                new = GGUFEmbedding(table, dtype, mod.padding_idx)
-            else:
-                bias = dense.pop(f"{name}.bias", None)
-                table.bias32 = None if bias is None else bias.float().contiguous()
-                new = table
-            model.set_submodule(name, new)
-    in_name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    if out_name and out_name not in quantized and f"{out_name}.weight" not in dense and in_name in quantized:
-        model.set_submodule(out_name, quantized[in_name])  # tied embeddings: one copy, read both ways
-    for hf, tensor in dense.items():
-        mod_name, pname = hf.rsplit(".", 1)
-        mod = model.get_submodule(mod_name)
-        keep = torch.float32 if isinstance(mod, GGUFLinear) else dtype
-        setattr(mod, pname, nn.Parameter(tensor.to(keep), requires_grad=False))
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise HydraspecError(f"GGUF file {gguf_file} has no tensor for {', '.join(missing[:5])}")
-    if cut is not None:
-        from ..draft_vocab import DraftVocabHead, cut_output
-
-        if output_rows is None:  # read for those rows only
-            vocab = config.get_text_config(decoder=True).vocab_size
-            model.set_submodule(out_name, DraftVocabHead(quantized[out_name], cut, vocab))
-        else:  # tied to the embeddings, or a float tensor: cut from the whole
-            cut_output(model, cut)
-    return model.eval()

@@ -1,8 +1,9 @@
 """Compiled decode steps: the stock model's forward under ``torch.compile`` (TorchInductor) with the native
 kernels as PyTorch operators inside the graph.
 
-A decode step of a 4-bit model on a CPU spends 5-8 ms of its ~35-40 ms in Python between the ~200 native
-calls (module calls, views, residual adds, the cache write, transformers' own bookkeeping). Inductor
+A decode step of a 4-bit model on a CPU spends a fair share of its time in Python between the ~200 native
+calls (module calls, views, residual adds, the cache write, transformers' own bookkeeping; docs/cpu-kernels.md,
+"Compiled decode steps"). Inductor
 traces the stock transformers classes once and replaces that Python with one generated wrapper
 (PyTorch 2, Ansel et al., ASPLOS 2024). Dynamo cannot trace a ctypes call, so the native kernels are also
 registered as operators (``csrc/hs_torch_ops.cpp``, namespace ``hydraspec``) that call the same C
@@ -14,7 +15,7 @@ Forwards of at most :data:`MAX_ROWS` new tokens are compiled: one-token steps (p
 model's chain) and verify forwards (a chain or tree of drafts, a draft model catching up on accepted
 tokens). Longer forwards and any forward from an empty cache (prefill) stay eager. A call without a mask
 gets the causal one it implies, so two graphs per model are compiled, one for a single row and one for
-several (30-70 s each on two cores, once per process). Forwards that ask for the hidden states (for draft
+several (once per process; docs/cpu-kernels.md has the compile times). Forwards that ask for the hidden states (for draft
 heads that read the target's last one) run a second pair of graphs that return the last hidden state
 with the logits.
 The operator library is compiled with the system C++ compiler against the installed torch on first use
@@ -28,9 +29,12 @@ from functools import lru_cache
 
 import torch
 import torch.fx.experimental._config as fx_config
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..cache import cache_kwargs
-from . import ops
+from . import kernels, ops
+from .gguf import GGUFLinear
+from .quantized import W4A8Linear
 
 __all__ = ["available", "compile_steps"]
 
@@ -39,8 +43,6 @@ __all__ = ["available", "compile_steps"]
 def available() -> str | None:
     """Load the operator library (building it on first use) and hand it the kernels; None when ready, else
     why not."""
-    from . import kernels
-
     gguf_lib, fused = kernels.int8_dot_lib(), kernels.fused_lib()
     if gguf_lib is None or fused is None or not hasattr(gguf_lib, "hs_gguf_apply"):
         return "the native CPU kernels are not available here"
@@ -95,8 +97,6 @@ def _run(compiled, past: int, cache: dict, input_ids, position_ids=None, attenti
               use_cache=use_cache)
     try:
         if output_hidden_states:
-            from transformers.modeling_outputs import CausalLMOutputWithPast
-
             logits, hidden = compiled[1](**kw)
             out = CausalLMOutputWithPast(logits=logits, **cache_kwargs(CausalLMOutputWithPast, *cache.values()),
                                          hidden_states=(hidden,))
@@ -120,10 +120,7 @@ def _untraceable(model) -> str | None:
 def compile_steps(model: torch.nn.Module) -> str | None:
     """Make ``model``'s forwards of up to :data:`MAX_ROWS` new tokens compiled steps (see the module
     docstring); returns None when done, else why not (the model is then left as it was). The first one-token
-    and the first several-token forward each compile (30-70 s each for the 0.5B and 1.5B models on two cores)."""
-    from .gguf import GGUFLinear
-    from .kernels import W4A8Linear
-
+    and the first several-token forward each compile (a minute or so each on two cores)."""
     if getattr(model, "hs_compiled", False):
         return None
     why = available()

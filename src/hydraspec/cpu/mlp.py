@@ -12,6 +12,7 @@ decoding stays token for token equal to plain decoding with the same module.
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 
 from . import kernels, ops
@@ -22,15 +23,12 @@ __all__ = ["FusedGatedMLP", "fuse_mlps"]
 
 def _plain_mlp(cls: type) -> bool:
     """Whether an MLP class's forward is Llama's ``down(act(gate(x)) * up(x))``."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    return same_source(cls.forward, LlamaMLP.forward)
+    # (transformers' modules load on first use: the stock classes are read here, not at import)
+    return same_source(cls.forward, transformers.models.llama.modeling_llama.LlamaMLP.forward)
 
 
 def _is_silu(act: nn.Module) -> bool:
-    from transformers.activations import SiLUActivation
-
-    return type(act) in (SiLUActivation, nn.SiLU)
+    return type(act) in (transformers.activations.SiLUActivation, nn.SiLU)
 
 
 def _joined_pair(gate: nn.Module, up: nn.Module):
@@ -75,7 +73,7 @@ class FusedGatedMLP(nn.Module):
                 g = joined(x)
                 return self.down_proj(torch.ops.hydraspec.silu_mul(g[..., :inter], g[..., inter:]))
             return self.down_proj(torch.ops.hydraspec.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
+        lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED (or a patched fused_lib) switches it
         if lib is None or x.dtype != torch.bfloat16 or not x.is_cpu or (torch.is_grad_enabled() and x.requires_grad):
             return self._stock_forward(self, x)
         inter = self.intermediate

@@ -5,6 +5,7 @@ it), so the result equals the stock module's (tested)."""
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 
 from . import kernels, ops
@@ -45,9 +46,7 @@ class FusedRMSNorm(nn.Module):
 
 def _plain_rmsnorm(cls: type) -> bool:
     """Whether an RMSNorm class computes exactly what FusedRMSNorm does: its forward is Llama's."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return same_source(cls.forward, LlamaRMSNorm.forward)
+    return same_source(cls.forward, transformers.models.llama.modeling_llama.LlamaRMSNorm.forward)
 
 
 def fuse_norms(model: nn.Module) -> int:

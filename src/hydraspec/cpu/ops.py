@@ -25,7 +25,7 @@ _lock = threading.Lock()
 
 
 def _library_path() -> tuple[Path, list[str]]:
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # heavy
 
     flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     flags += [f"-I{p}" for p in cpp_extension.include_paths()]

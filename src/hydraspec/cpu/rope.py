@@ -14,6 +14,7 @@ import ctypes
 import sys
 
 import torch
+import transformers
 
 from . import kernels, ops
 from .stock import same_source
@@ -23,8 +24,7 @@ __all__ = ["fuse_rope", "rope_is_native"]
 
 def _is_plain_rope(module) -> bool:
     """Whether a modeling module's apply_rotary_pos_emb and rotate_half are Llama's."""
-    from transformers.models.llama import modeling_llama as ml
-
+    ml = transformers.models.llama.modeling_llama
     fn, rot = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
     ref = getattr(ml.apply_rotary_pos_emb, "stock", ml.apply_rotary_pos_emb)  # Llama's may be patched already
     return fn is not None and rot is not None and same_source(fn, ref) and same_source(rot, ml.rotate_half)
@@ -58,7 +58,7 @@ def _dispatcher(stock):
         if (ops.tracing() and unsqueeze_dim == 1 and q.dtype == k.dtype == cos.dtype == sin.dtype == _BF16
                 and q.dim() == k.dim() == 4 and cos.dim() == 3 and q.shape[-1] % 2 == 0):
             return torch.ops.hydraspec.rope(q, k, cos, sin)
-        lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED and scripts/fused_ab.py switch it
+        lib = kernels.fused_lib()  # looked up per call: HYDRASPEC_FUSED (or a patched fused_lib) switches it
         if lib is None or q.dtype != _BF16:
             return stock(q, k, cos, sin, unsqueeze_dim)
         qo, ko = torch.empty_like(q), torch.empty_like(k)  # laid out as the inputs, as the stock results are

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..backend import int8_per_row
+from ..backend import int8_per_row, prepack
 from ..errors import HydraspecError
 from .eagle import EagleHeads
 from .modules import KINDS, Heads
+from .prefix import PrefixLayer
 
 KINDS = {**KINDS, "eagle": EagleHeads}
 
@@ -32,8 +34,6 @@ def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_p
     heads = KINDS[kind].for_model(model, num_heads=num_heads, num_layers=num_layers, own_projection=own_projection,
                                   vocab_subset=vocab_subset, **extra)
     if prefix_layer:
-        from .prefix import PrefixLayer
-
         try:
             heads.prefix = PrefixLayer(model)
         except ValueError as e:
@@ -121,7 +121,6 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
                              f"unexpected {unexpected[:3]})")
     heads.to(device=model.device, dtype=model.dtype).eval()
     if model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
-        from ..backend import prepack
 
         prepack(heads)
     return heads, cfg
@@ -139,8 +138,6 @@ def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
     are cast to the model's dtype when loaded anyway), or with ``"int8"`` its matrices as int8 codes and one
     fp32 scale per row (absmax / 127; vectors in bf16), a quarter of the size. Heads only draft, so this can
     change acceptance, never the output. Used to ship the default model's heads."""
-    import shutil
-
     s, d = Path(src), Path(dst)
     d.mkdir(parents=True, exist_ok=True)
     state = load_file(str(s / "heads.safetensors"))

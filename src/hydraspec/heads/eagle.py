@@ -19,6 +19,7 @@ import copy
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from ..cache import cache_kwargs
 from ..errors import HydraspecError
@@ -130,6 +131,4 @@ class EagleHeads(Heads):
 
 
 def new_cache():
-    from transformers import DynamicCache
-
     return DynamicCache()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backend import follow_base
+
 
 class ResBlock(nn.Module):
     """h + SiLU(W h + b), with W and b zero at init so that a fresh block is the identity."""
@@ -84,10 +86,6 @@ class Heads(nn.Module):
         """Training view: the hidden states [T, dim] of a whole sequence as the heads read them."""
         return hidden if self.prefix is None else self.prefix(hidden)
 
-    def attach(self, lm_head: nn.Module) -> None:
-        if not self.own_projection:
-            self._shared, self._shared_sub = [lm_head], None
-
     @property
     def out_vocab(self) -> int:
         """Width of the heads' logits: the vocabulary, or the draft vocabulary."""
@@ -125,8 +123,6 @@ class Heads(nn.Module):
             return base(x.to(base.weight.dtype))
         lin = self._shared_sub[0] if self._shared_sub else None  # a tuple: not a registered submodule
         if lin is None or lin.weight.dtype != base.weight.dtype or lin.weight.device != base.weight.device:
-            from ..backend import follow_base
-
             lin = nn.Linear(self.hidden, self.subset.numel(), bias=False, device=base.weight.device,
                             dtype=base.weight.dtype)
             lin.weight = nn.Parameter(base.weight.detach()[self.subset.to(base.weight.device)].contiguous(),

@@ -14,6 +14,7 @@ import copy
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from ..backend import unpack
 from ..cache import cache_kwargs
@@ -56,9 +57,6 @@ class PrefixLayer(nn.Module):
         _zero_output(self.layer)
         self._rotary = [base.rotary_emb]  # shared with the base, not a parameter of the heads
 
-    def attach(self, model) -> None:
-        self._rotary = [_decoder(model).rotary_emb]
-
     def forward(self, hidden: torch.Tensor, start: int = 0, cache=None) -> torch.Tensor:
         """hidden: [n, dim] base hidden states of positions start .. start + n - 1 (all earlier ones
         are in `cache`, or start = 0). Returns [n, dim]: each position attends to itself and all before."""
@@ -79,6 +77,4 @@ class PrefixLayer(nn.Module):
 
 
 def new_prefix_cache():
-    from transformers import DynamicCache
-
     return DynamicCache()
