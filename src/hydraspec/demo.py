@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import sys
+from importlib.resources import files
+
+from .drafters import make_drafter
+from .generator import SpeculativeGenerator
+from .heads import load_heads
+from .models import DEFAULT_MODEL, load_model
 
 DEMO_PROMPT = (
     "Add type hints and a docstring to this function, keep the code otherwise unchanged:\n\n"
@@ -17,10 +23,6 @@ DEMO_PROMPT = (
 
 
 def run_demo(args) -> int:
-    from .drafters import make_drafter
-    from .generator import SpeculativeGenerator
-    from .models import DEFAULT_MODEL, load_model
-
     name = args.model or DEFAULT_MODEL
     print(f"loading {name} ({args.dtype}) ...", file=sys.stderr)
     model, tok = load_model(name, dtype=args.dtype, device=args.device, auto_pull=True)
@@ -54,8 +56,6 @@ def _first_diff(a, b) -> int:
 
 def bundled_heads_dirs() -> list:
     """Heads trained by `hydraspec train-heads` for the default model and shipped with the package."""
-    from importlib.resources import files
-
     root = files("hydraspec") / "data" / "heads"
     try:
         return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.json").is_file())
@@ -64,9 +64,6 @@ def bundled_heads_dirs() -> list:
 
 
 def bundled_head_drafters(model) -> list:
-    from .drafters import make_drafter
-    from .heads import load_heads
-
     out = []
     for d in bundled_heads_dirs():
         heads, cfg = load_heads(d, model)

@@ -34,7 +34,7 @@ def available_memory(device) -> int | None:
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free)
     try:
-        import psutil
+        import psutil  # optional
 
         return int(psutil.virtual_memory().available)
     except ImportError:

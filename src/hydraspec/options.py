@@ -1,12 +1,13 @@
-"""Command-line options shared by several commands (generate, bench, build-tree, serve): defined once here,
-so that the tools under the command line need not import it."""
+"""Command-line options shared by several commands (generate, serve, bench, build-tree, train-heads): defined
+once here, so that the tools under the command line need not import it."""
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from .errors import HydraspecError
-from .models import DTYPES, QUANTS
+from .models import DEVICES, DTYPES, QUANTS, resolve_precision, shipped_draft_tree
 
 
 
@@ -45,8 +46,6 @@ def resolve_precision_args(args) -> None:
     command loads anything; a draft model follows: with an explicit --dtype float32 or float16, --draft-quant
     auto is none (the quantized draft kernels compute in bfloat16) and a quantized --draft-quant is refused.
     Commands without --model, --dtype and --quant are left alone."""
-    from .models import resolve_precision
-
     if not all(hasattr(args, a) for a in ("model", "dtype", "quant")) or not args.model:
         return
     given = getattr(args, "dtype_given", False)
@@ -124,10 +123,6 @@ def default_draft_shape(args) -> bool:
 def shipped_tree_for(args) -> str | None:
     """The shipped draft tree (hydraspec.models.shipped_draft_tree) for ``args``' target and draft model when
     no draft shape was asked for, else None; says on stderr which file it drafts with."""
-    import sys
-
-    from .models import shipped_draft_tree
-
     if not default_draft_shape(args) or not getattr(args, "draft_model", None):
         return None
     path = shipped_draft_tree(args.model, args.draft_model, getattr(args, "device", "auto"),
@@ -136,3 +131,63 @@ def shipped_tree_for(args) -> str | None:
         print(f"hydraspec: drafting with the tree chosen for this pair on a CPU ({path.name}); "
               "--draft-k, --tree or --draft-confidence choose another", file=sys.stderr)
     return None if path is None else str(path)
+
+
+ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
+
+
+def add_model_args(p, compile_default: bool | str = False) -> None:
+    p.add_argument("--model", required=True, help="offline name (see `hydraspec models list`), HF directory, .gguf file or hub id")
+    add_dtype_arg(p)
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    add_quant_arg(p)
+    add_compile_arg(p, compile_default)
+    p.add_argument("--no-prepack", action="store_true",
+                   help="keep plain nn.Linear kernels on CPU (default: prepacked weights, see hydraspec.cpu.kernels)")
+
+
+def add_method_args(p) -> None:
+    p.add_argument("--draft-model", help="smaller model with the same tokenizer (method 'draft')")
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="draft tokens per step to start with (default 5, or the tree shipped for the pair)")
+    add_draft_quant_arg(p)
+    add_draft_vocab_arg(p)
+    p.add_argument("--no-dynamic", action="store_true", help="keep the draft length fixed at --draft-k")
+    p.add_argument("--draft-tree", help="draft a tree instead of a chain: children per depth, e.g. 2,2,1")
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="greedy drafting by the draft model stops when its top probability falls below this "
+                        "(default 0.4 for the chain; off for a static --tree unless given, then the tree is "
+                        "cut at the first level where every parent is below it; 0 turns it off)")
+    p.add_argument("--draft-leaves", type=int, default=None, metavar="N",
+                   help="greedy draft chain: hang up to N of the draft model's runner-up tokens on the chain as "
+                        "extra leaves (one verify row each, no draft forward; default 0)")
+    p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra, hydra++, eagle)")
+    p.add_argument("--min-prob", type=float, default=None, metavar="P",
+                   help="eagle, greedy: leave out tree nodes whose path probability under the head is below P "
+                        "(default: the heads' own, from their config.json, else 0 = the whole tree)")
+    p.add_argument("--tree", help="token tree for medusa/hydra/draft: a tree.json from `hydraspec build-tree`, a "
+                                  "JSON list of rank paths, or 'dynamic' (--tree-nodes, --tree-depth, --tree-topk)")
+    p.add_argument("--tree-nodes", type=int, default=32, help="dynamic tree: nodes kept per step (default 32)")
+    p.add_argument("--tree-depth", type=int, help="dynamic tree: depth (default: the number of heads; 6 for a "
+                                                   "draft model)")
+    p.add_argument("--tree-topk", type=int, default=8,
+                   help="dynamic tree: nodes expanded per depth and children per node (default 8)")
+    p.add_argument("--pld-tokens", type=int, default=10, help="most tokens prompt lookup proposes (default 10)")
+    p.add_argument("--pld-ngram", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")
+    p.add_argument("--pld-min-ngram", type=int, default=2, help="shortest n-gram it matches (default 2)")
+
+
+METHOD_HELP = ("auto (default: per request and step, whichever drafter is expected to pay most, or none: prompt "
+               "lookup, suffix decoding, predictions, and --draft-model / --heads where given) | ar | draft | pld | "
+               "suffix | medusa | hydra | hydra++ | eagle | pld+draft | pld+medusa | pld+hydra | pld+hydra++ | "
+               "pld+eagle")
+
+
+def add_sampling_args(p) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--acceptor", default="auto", choices=ACCEPTOR_CHOICES,
+                   help="auto: greedy at temperature 0, else lossless speculative sampling; "
+                        "typical is faster but does not preserve the distribution")

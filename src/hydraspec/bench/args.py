@@ -3,6 +3,7 @@ the model loader that honours --quant."""
 from __future__ import annotations
 
 from ..errors import HydraspecError
+from ..models import load_model
 from .methods import METHODS
 
 __all__ = ["split_list", "check_args", "default_loader"]
@@ -40,8 +41,6 @@ def check_args(args, methods: list[str]) -> None:
 
 def default_loader(args):
     """load_model with the bench's --quant (for the target; the draft follows --draft-quant)."""
-    from ..models import load_model
-
     def load(name, dtype, device):
         return load_model(name, dtype=dtype, device=device, quant=getattr(args, "quant", "none"))
     return load

@@ -19,9 +19,15 @@ from pathlib import Path
 
 import torch
 
+from ..batch import BatchGenerator
 from ..errors import HydraspecError
+from ..generator import SpeculativeGenerator
+from ..inputs import eos_ids, load_batch_trees
+from ..models import load_draft_model
 from .args import check_args, default_loader, split_list
 from .methods import METHODS, BenchContext, parse_methods, sync
+from .prompts import load_questions
+from .report import machine_info, machine_line
 
 BATCH_METHODS = ("ar", "pld", "draft", "medusa", "hydra", "hf-ar")
 WARMUP_TOKENS = 8
@@ -74,8 +80,6 @@ def hf_batch(model, eos: list[int], pad: int, prompts: list[list[int]], max_new_
 
 
 def run_batch_bench(args, loader=None) -> int:
-    from .prompts import load_questions
-
     methods = parse_methods(args.methods)
     bad = [m for m in methods if m not in BATCH_METHODS]
     if bad:
@@ -96,67 +100,78 @@ def run_batch_bench(args, loader=None) -> int:
     model, tok = load(args.model, dtype=args.dtype, device=args.device)
     draft = None
     if any(METHODS[m].needs_draft for m in methods):
-        from ..models import load_draft_model
-
         draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None), loader,
                                  vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
-    from ..batch import BatchGenerator
-    from ..inputs import load_batch_trees
-    from ..generator import SpeculativeGenerator
-    from ..inputs import eos_ids
-
     eos = sorted(eos_ids(model, tok))
     ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None), eos=eos)
     encoder = SpeculativeGenerator(model, tok)
     prompts = [encoder.encode([{"role": "user", "content": q.turns[0]}]) for q in questions]
-    lengths = [len(p) for p in prompts]
+    rows = []
+    answers: dict[tuple[str, int], list[list[int]]] = {}
+    for m in methods:
+        _bench_method(ctx, m, prompts, sizes, rows, answers)
+    _compare_to_ar(rows, answers, methods, sizes, float(args.temperature))
+    _write(args, out, rows, answers, methods, sizes, model, len(prompts))
+    return 0
+
+
+def _bench_method(ctx: BenchContext, m: str, prompts: list[list[int]], sizes: list[int], rows: list,
+                  answers: dict) -> None:
+    """Method ``m`` over every prompt at every batch size (after a short warm-up): a row of results each, and
+    its answers."""
+    args, model, tok, eos = ctx.args, ctx.model, ctx.tokenizer, ctx.eos
     temperature = float(args.temperature)
     seed = args.seed if temperature > 0 else None
     pad = getattr(tok, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
-
-    rows = []
-    answers: dict[tuple[str, int], list[list[int]]] = {}
-    for m in methods:
-        gen = None
-        if m != "hf-ar":
-            drafter = METHODS[m].factory(ctx).gen.drafter  # the bench's own drafter settings for this method
-            trees = load_batch_trees(getattr(args, "batch_trees", None)) if METHODS[m].needs_heads else None
-            gen = BatchGenerator(model, tok, drafter, trees=trees, verify_budget=getattr(args, "verify_budget", None))
-            gen.generate(input_ids=prompts[:2], max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens))
-        else:
-            hf_batch(model, eos, pad, prompts[:2], min(WARMUP_TOKENS, args.max_new_tokens), 0.0, None)
-        for bs in sizes:
+    gen = None
+    if m != "hf-ar":
+        drafter = METHODS[m].factory(ctx).gen.drafter  # the bench's own drafter settings for this method
+        trees = load_batch_trees(getattr(args, "batch_trees", None)) if METHODS[m].needs_heads else None
+        gen = BatchGenerator(model, tok, drafter, trees=trees, verify_budget=getattr(args, "verify_budget", None))
+        gen.generate(input_ids=prompts[:2], max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens))
+    else:
+        hf_batch(model, eos, pad, prompts[:2], min(WARMUP_TOKENS, args.max_new_tokens), 0.0, None)
+    for bs in sizes:
+        sync(model.device)
+        t0 = time.perf_counter()
+        if gen is not None:
+            res = gen.generate(input_ids=prompts, max_new_tokens=args.max_new_tokens, batch_size=bs,
+                               temperature=temperature, seed=seed)
             sync(model.device)
-            t0 = time.perf_counter()
-            if gen is not None:
-                res = gen.generate(input_ids=prompts, max_new_tokens=args.max_new_tokens, batch_size=bs,
-                                   temperature=temperature, seed=seed)
-                sync(model.device)
-                wall = time.perf_counter() - t0
-                toks = [r.token_ids for r in res]
-                latency = [r.stats.wall_s for r in res]
-                forwards = sum(r.stats.target_forwards for r in res)
-                extra = {"cache_bytes": res.cache_bytes, "batched_forwards": res.target_forwards,
-                         "mean_accepted": round(sum(map(len, toks)) / forwards, 4) if forwards else None}
-            else:
-                toks, latency = [None] * len(prompts), [0.0] * len(prompts)
-                for g in _groups(lengths, bs):
-                    tb = time.perf_counter()
-                    outs = hf_batch(model, eos, pad, [prompts[i] for i in g], args.max_new_tokens, temperature, seed)
-                    sync(model.device)
-                    for i, o in zip(g, outs):
-                        toks[i], latency[i] = o, time.perf_counter() - tb
-                wall = time.perf_counter() - t0
-                extra = {"cache_bytes": None, "batched_forwards": None, "mean_accepted": None}
-            answers[(m, bs)] = toks
-            new = sum(map(len, toks))
-            rows.append({"method": m, "batch_size": bs, "prompts": len(prompts), "new_tokens": new,
-                         "wall_s": round(wall, 4), "tokens_per_s": round(new / wall, 4) if wall > 0 else 0.0,
-                         "mean_latency_s": round(sum(latency) / len(latency), 4), **extra})
-            print(f"{m:8s} batch {bs:3d}: {new} tokens in {wall:.2f} s = {rows[-1]['tokens_per_s']:.2f} tokens/s, "
-                  f"mean latency {rows[-1]['mean_latency_s']:.2f} s", file=sys.stderr)
+            wall = time.perf_counter() - t0
+            toks = [r.token_ids for r in res]
+            latency = [r.stats.wall_s for r in res]
+            forwards = sum(r.stats.target_forwards for r in res)
+            extra = {"cache_bytes": res.cache_bytes, "batched_forwards": res.target_forwards,
+                     "mean_accepted": round(sum(map(len, toks)) / forwards, 4) if forwards else None}
+        else:
+            toks, latency = _hf_batches(model, eos, pad, prompts, bs, args.max_new_tokens, temperature, seed)
+            wall = time.perf_counter() - t0
+            extra = {"cache_bytes": None, "batched_forwards": None, "mean_accepted": None}
+        answers[(m, bs)] = toks
+        new = sum(map(len, toks))
+        rows.append({"method": m, "batch_size": bs, "prompts": len(prompts), "new_tokens": new,
+                     "wall_s": round(wall, 4), "tokens_per_s": round(new / wall, 4) if wall > 0 else 0.0,
+                     "mean_latency_s": round(sum(latency) / len(latency), 4), **extra})
+        print(f"{m:8s} batch {bs:3d}: {new} tokens in {wall:.2f} s = {rows[-1]['tokens_per_s']:.2f} tokens/s, "
+              f"mean latency {rows[-1]['mean_latency_s']:.2f} s", file=sys.stderr)
 
+
+def _hf_batches(model, eos, pad, prompts, bs: int, max_new_tokens: int, temperature: float, seed):
+    """hf-ar: static batches of ``bs`` (longest prompts first); each row's tokens and its batch's wall time."""
+    toks, latency = [None] * len(prompts), [0.0] * len(prompts)
+    for g in _groups([len(p) for p in prompts], bs):
+        tb = time.perf_counter()
+        outs = hf_batch(model, eos, pad, [prompts[i] for i in g], max_new_tokens, temperature, seed)
+        sync(model.device)
+        for i, o in zip(g, outs):
+            toks[i], latency[i] = o, time.perf_counter() - tb
+    return toks, latency
+
+
+def _compare_to_ar(rows: list, answers: dict, methods, sizes, temperature: float) -> None:
+    """Each row's share of answers identical to ar's at the smallest batch size (greedy only)."""
     ref_key = ("ar", sizes[0]) if "ar" in methods else None
     for r in rows:
         if temperature == 0 and ref_key in answers:
@@ -166,30 +181,28 @@ def run_batch_bench(args, loader=None) -> int:
         else:
             r["identical_to_ar"] = None
 
-    from .report import machine_info
 
+def _write(args, out: Path, rows: list, answers: dict, methods, sizes, model, n_prompts: int) -> None:
+    """batch_results.json, batch_results.md and batch_throughput.png in ``out``; the table printed."""
     machine = machine_info(args.dtype, str(model.device))
     data = {"settings": {"model": args.model, "draft_model": getattr(args, "draft_model", None),
                          "heads": getattr(args, "heads", None), "methods": methods, "batch_sizes": sizes,
-                         "max_new_tokens": args.max_new_tokens, "temperature": temperature, "dtype": args.dtype,
-                         "prompts": [str(p) for p in args.prompts], "limit": args.limit, "skip": getattr(args, "skip", 0),
-                         "verify_budget": getattr(args, "verify_budget", None),
+                         "max_new_tokens": args.max_new_tokens, "temperature": float(args.temperature),
+                         "dtype": args.dtype, "prompts": [str(p) for p in args.prompts], "limit": args.limit,
+                         "skip": getattr(args, "skip", 0), "verify_budget": getattr(args, "verify_budget", None),
                          "draft_quant": getattr(args, "draft_quant", "none")},
             "machine": machine, "rows": rows,
             "answers": {f"{m}@{bs}": a for (m, bs), a in answers.items()}}
     (out / "batch_results.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
-    md = batch_markdown(rows, machine, len(prompts), args.max_new_tokens)
+    md = batch_markdown(rows, machine, n_prompts, args.max_new_tokens)
     (out / "batch_results.md").write_text(md, encoding="utf-8")
     plot_batches(rows, methods, sizes, out / "batch_throughput.png")
     print(md.rstrip())
     print(f"\nwrote {out / 'batch_results.json'}, {out / 'batch_results.md'}, {out / 'batch_throughput.png'}",
           file=sys.stderr)
-    return 0
 
 
 def batch_markdown(rows, machine, n_prompts: int, max_new: int) -> str:
-    from .report import machine_line
-
     def f(v, d=2):
         return "-" if v is None else f"{v:.{d}f}"
 
@@ -210,8 +223,8 @@ def batch_markdown(rows, machine, n_prompts: int, max_new: int) -> str:
 
 
 def plot_batches(rows, methods, sizes, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy
+    from matplotlib.figure import Figure  # heavy
 
     fig = Figure(figsize=(11, 4.5))
     FigureCanvasAgg(fig)

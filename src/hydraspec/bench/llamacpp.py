@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import HydraspecError
+from ..models import gguf_file
 from .methods import BenchContext, MethodSpec, Runner, TurnResult, register
 
 SERVER = "llama-server"
@@ -230,8 +231,6 @@ def check_speculating(name: str, slots: list[dict] | None, log) -> None:
 
 class LlamaCppRunner(Runner):
     def __init__(self, ctx: BenchContext, kind: str):
-        from ..models import gguf_file
-
         a = ctx.args
         model = str(gguf_file(a.model))
         draft = str(gguf_file(a.draft_model)) if uses_draft(kind) else None

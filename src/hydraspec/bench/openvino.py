@@ -24,6 +24,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import HydraspecError
@@ -58,7 +59,7 @@ def export_dir(model: str) -> Path:
 
 def _genai():
     try:
-        import openvino_genai
+        import openvino_genai  # optional
     except ImportError:
         raise HydraspecError("the ov-* methods need OpenVINO GenAI: pip install openvino-genai") from None
     return openvino_genai
@@ -121,8 +122,7 @@ class OpenVINORunner(Runner):
         self.genai, self.kind, self.tok, self.eos = genai, kind, ctx.tokenizer, sorted(ctx.eos)
 
     def generate(self, ids, max_new_tokens, temperature, seed):
-        import numpy as np
-        import openvino
+        import openvino  # optional
 
         cfg = generation_config(self.genai, self.kind, max_new_tokens, temperature, seed, self.eos)
         x = openvino.Tensor(np.array([list(map(int, ids))], dtype=np.int64))

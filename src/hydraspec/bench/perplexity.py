@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..errors import HydraspecError
+from ..models import DEVICES, gguf_file, load_model, resolve_device, resolve_quant
+from ..options import add_dtype_arg, add_quant_arg, thread_count
+from .llamacpp import tool
 
 
 @dataclass
@@ -56,8 +60,6 @@ def score(nlls: list[float], chunks: int) -> Perplexity:
 def perplexity(model, tokenizer, text: str, ctx: int = 512, chunks: int | None = None, progress: bool = True) \
         -> Perplexity:
     """``model``'s perplexity on ``text`` by llama.cpp's protocol (module docstring)."""
-    from tqdm import tqdm
-
     bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if bos is not None:
@@ -95,9 +97,6 @@ def llamacpp_perplexity(binary: Path, gguf: Path, text_file: Path, ctx: int, chu
 
 
 def run(args) -> int:
-    from ..models import gguf_file, load_model, resolve_device, resolve_quant
-    from ..options import thread_count
-
     path = Path(args.text)
     if not path.is_file():
         raise HydraspecError(f"--text {path}: no such file")
@@ -110,8 +109,6 @@ def run(args) -> int:
     print(f"hydraspec (--quant {quant}, {args.dtype}): PPL = {ours.ppl:.4f} +/- {ours.stderr:.5f} over "
           f"{ours.tokens_scored} tokens in {ours.chunks} chunks of {args.ctx}")
     if args.llamacpp:
-        from .llamacpp import tool
-
         theirs = llamacpp_perplexity(tool("llama-perplexity"), gguf_file(args.model), path, args.ctx, args.chunks, threads)
         print(f"llama.cpp llama-perplexity: PPL = {theirs.ppl:.4f} +/- {theirs.stderr:.5f} over {theirs.chunks} "
               f"chunks")
@@ -120,9 +117,6 @@ def run(args) -> int:
 
 
 def add_parser(subparsers):
-    from ..models import DEVICES
-    from ..options import add_dtype_arg, add_quant_arg
-
     p = subparsers.add_parser("perplexity", help="a model's perplexity on a text (llama.cpp's protocol)",
                               description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--model", required=True, help="offline name, .gguf file or model directory")

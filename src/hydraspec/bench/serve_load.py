@@ -109,10 +109,10 @@ def table(rows: list[dict], label: str) -> str:
 
 
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for label, rows in runs.items():

@@ -1,8 +1,16 @@
 from __future__ import annotations
 
 from ..errors import HydraspecError
+from ..heads.checkpoint import default_tree
+from ..verify_cost import SIZES, measure_verify_cost
+from .auto import AutoDrafter
 from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
+from .dynamic import DynamicDraftModelDrafter, DynamicHeadDrafter, parse_dynamic
+from .eagle import EagleDrafter
+from .heads import HeadDrafter
+from .hybrid import LookupHybridDrafter
+from .prediction import PredictionDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter
 
@@ -12,20 +20,29 @@ def make_auto(target, costly: dict[str, Drafter] | None = None, pld_tokens: int 
     """The ``auto`` method: prompt lookup, suffix decoding and predicted outputs always, plus ``costly``
     drafters (a draft model, heads), chosen per sequence and step by measured payoff (drafters.auto).
     ``target``: the model whose verify cost is measured (once, at the first proposal)."""
-    from ..verify_cost import SIZES, measure_verify_cost
-    from .auto import AutoDrafter
-    from .prediction import PredictionDrafter
-
     subs: dict[str, Drafter] = {
         "pld": PromptLookupDrafter(num_tokens=pld_tokens, max_ngram=pld_ngram, min_ngram=pld_min_ngram, dynamic=False),
         "suffix": SuffixDrafter(), "prediction": PredictionDrafter()}
     subs.update(costly or {})
     return AutoDrafter(subs, lambda: measure_verify_cost(target, sizes=SIZES))
 
+
 METHODS = ("ar", "auto", "draft", "pld", "suffix", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa",
            "pld+hydra", "pld+hydra++", "pld+eagle")
 HEAD_METHODS = ("medusa", "hydra", "hydra++", "eagle")
 DRAFT_METHODS = ("draft", "pld+draft")  # the methods that need a draft model
+
+
+def check_method(method: str, has_draft: bool | None = None, has_heads: bool | None = None) -> None:
+    """Refuse a method name that does not exist, or a method without what it needs (``has_draft``: whether a
+    draft model is given, ``has_heads``: whether heads are; None: not checked), before anything is loaded.
+    make_drafter and the command line share it."""
+    if method not in METHODS:
+        raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")
+    if has_draft is False and method in DRAFT_METHODS:
+        raise HydraspecError(f"method '{method}' needs --draft-model")
+    if has_heads is False and method.removeprefix("pld+") in HEAD_METHODS:
+        raise HydraspecError(f"method '{method}' needs --heads DIR")
 
 
 def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tokenizer=None,
@@ -38,11 +55,8 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
     tree= (draft, medusa, hydra): a list of rank paths, a tree.json file / its dict (from `hydraspec
     build-tree`), or "dynamic" for a dynamic tree of tree_nodes nodes, tree_depth levels and tree_topk
     children per expanded node."""
-    from .dynamic import parse_dynamic
-
-    if method.startswith("pld+") and method in METHODS:
-        from .hybrid import LookupHybridDrafter
-
+    check_method(method)
+    if method.startswith("pld+"):
         lk = {k: options.pop(f"pld_{k}") for k in ("tokens", "ngram", "min_ngram") if options.get(f"pld_{k}") is not None}
         for k in ("pld_tokens", "pld_ngram", "pld_min_ngram"):
             options.pop(k, None)
@@ -67,8 +81,6 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         if target_tokenizer is not None and draft_tokenizer is not None:
             check_vocab(target_tokenizer, draft_tokenizer)
         if parse_dynamic(tree):
-            from .dynamic import DynamicDraftModelDrafter
-
             return DynamicDraftModelDrafter(draft_model, **dyn)
         if tree is not None:
             options["tree"] = tree
@@ -83,19 +95,12 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
                                  f"{' without a prefix layer' if heads.kind == 'hydra' else ''}")
         if heads.kind != method.rstrip("+"):
             raise HydraspecError(f"--heads holds {heads.kind} heads, not {method} heads")
-        from ..heads.checkpoint import default_tree
-        from .heads import HeadDrafter
-
         if heads.kind == "eagle":
             if parse_dynamic(tree):
                 raise HydraspecError("EAGLE heads draft static trees (--tree FILE or the heads' default), not 'dynamic'")
-            from .eagle import EagleDrafter
-
             return EagleDrafter(heads, embed, tree or default_tree(heads.num_heads),
                                 **{k: options[k] for k in ("min_prob",) if options.get(k) is not None})
         if parse_dynamic(tree):
-            from .dynamic import DynamicHeadDrafter
-
             return DynamicHeadDrafter(heads, embed, **dyn)
         return HeadDrafter(heads, embed, tree or default_tree(heads.num_heads))
-    raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")
+    raise HydraspecError(f"unknown method '{method}'; known: {', '.join(METHODS)}")  # (a method without a branch)

@@ -8,10 +8,11 @@ import torch
 from ..cache import new_cache
 from ..errors import HydraspecError
 from ..sampling import sample_without_replacement
-from ..tree import DraftTree, shape_of
+from ..tree import DraftTree, load_tree_spec, parents_from_paths, shape_of, tree_stop
 from ..verify import check_supported, forward_nodes
 from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of, next_length
 from .draft_batch import DraftBatch
+from .heads import prefix_closed, reindex
 
 
 @dataclass
@@ -92,8 +93,6 @@ class DraftModelDrafter(Drafter):
         self.leaves, self.leaf_gain = leaves, leaf_gain
         self.tree_parents = None
         if tree is not None:
-            from ..tree import load_tree_spec, parents_from_paths, tree_stop
-
             if widths:
                 raise HydraspecError("give a draft tree either as widths or as paths, not both")
             self.tree_paths = load_tree_spec(tree)
@@ -314,7 +313,6 @@ class DraftModelDrafter(Drafter):
         if greedy:
             return DraftTree(torch.tensor(tokens, dtype=torch.long), parents)
         if not all(drawn):  # fewer tokens with nonzero probability than children: cut the tree
-            from .heads import prefix_closed, reindex
 
             keep = prefix_closed(parents, {i for i in range(n) if drawn[i]})
             row.n_fed = 0  # indices change: keep nothing of this tree in the draft cache

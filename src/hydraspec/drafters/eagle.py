@@ -7,7 +7,7 @@ import torch
 from ..errors import HydraspecError
 from ..heads.eagle import additive, new_cache
 from ..sampling import sample_without_replacement
-from ..tree import DraftTree, parents_from_paths, shape_of
+from ..tree import DraftTree, load_tree_spec, parents_from_paths, shape_of
 from .base import DecodeState, Drafter, RowStates
 from .heads import prefix_closed, reindex
 
@@ -49,8 +49,6 @@ class EagleDrafter(Drafter):
         self.heads, self.embed, self.min_prob = heads, embed, min_prob
         self.name = heads.kind
         if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
-            from ..tree import load_tree_spec
-
             paths = load_tree_spec(paths)
         parents, ranks = parents_from_paths(paths)
         shape = shape_of(parents)

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HydraspecError
+from ..heads.prefix import new_prefix_cache
 from ..sampling import sample_without_replacement
-from ..tree import DraftTree, parents_from_paths, shape_of
+from ..tree import DraftTree, load_tree_spec, parents_from_paths, shape_of
 from .base import DecodeState, Drafter, RowStates
 
 
@@ -34,8 +35,6 @@ class PrefixInput:
         new = state.new_hidden
         if new is not None and new is not row.fed:
             if row.cache is None:
-                from ..heads.prefix import new_prefix_cache
-
                 row.cache = new_prefix_cache()
             out = self.heads.prefix(new, row.length, row.cache)
             row.length += new.shape[0]
@@ -69,8 +68,6 @@ class HeadDrafter(PrefixInput, Drafter):
         self.heads, self.embed = heads, embed
         self.name = heads.kind
         if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
-            from ..tree import load_tree_spec  # a tree.json file, its dict or a JSON string
-
             paths = load_tree_spec(paths)
         parents, ranks = parents_from_paths(paths)
         shape = shape_of(parents)

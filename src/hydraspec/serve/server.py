@@ -57,7 +57,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
 def run(app, worker: EngineWorker, host: str, port: int) -> None:
     """Serve until Ctrl-C / SIGTERM: HTTP (uvicorn) in a background thread, the engine in this one (built with
     start_worker=False). On a signal the open requests are cancelled, uvicorn stops and the call returns."""
-    import uvicorn
+    import uvicorn  # optional
 
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="hydraspec-http", daemon=True)

@@ -6,7 +6,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..batch import BatchGenerator
+from ..drafters import make_drafter
 from ..errors import HydraspecError
+from ..inputs import encode_prompt
 
 
 def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 256, progress: bool = True,
@@ -22,10 +25,6 @@ def answer_prompts(model, tokenizer, questions, out_path, max_new_tokens: int = 
     last hidden states of each answered sequence go to ``base_cache`` (a trainer.BaseOutputs), taken from
     the decoding forwards, so that training does not run the base model over them again. Returns how many
     were added."""
-    from ..batch import BatchGenerator
-    from ..drafters import make_drafter
-    from ..inputs import encode_prompt
-
     if method not in ("ar", "pld"):
         raise HydraspecError(f"data generation decodes with 'ar' or 'pld', not {method!r}")
     out = Path(out_path)

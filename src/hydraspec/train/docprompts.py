@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+import sys
 import textwrap
 
 DEFAULT_MODULES = (
@@ -51,8 +52,6 @@ _SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "t
 def more_modules() -> list[str]:
     """The rest of the standard library (and its public submodules' parents), for more prompts than
     DEFAULT_MODULES give, in a fixed order."""
-    import sys
-
     names = getattr(sys, "stdlib_module_names", ())
     return [n for n in sorted(names) if not n.startswith("_") and n not in _SKIP and n not in DEFAULT_MODULES]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..batch import BatchGenerator
 from ..errors import HydraspecError
 
 OPENERS = (
@@ -64,8 +65,6 @@ def self_prompts(model, tokenizer, n: int, out_path, seed: int = 0, batch_size: 
     """Up to ``n`` user prompts written by the model, appended to ``out_path`` (Spec-Bench format, category
     "self") as they are made, so that a second call with the same file goes on where the first stopped.
     Returns all the file's prompts as (id, [prompt]) pairs. Sampled: ``seed`` fixes the openers and draws."""
-    from ..batch import BatchGenerator
-
     if n < 1:
         raise HydraspecError(f"the number of self-written prompts must be at least 1, got {n}")
     prefix = user_turn_prefix(tokenizer)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
+from ..drafters import make_drafter
 from ..errors import HydraspecError
 from ..tree import TREE_FORMAT, bfs_paths
 from .calibrate import Calibration, draft_scores, greedy_sequences, head_ranks, ranks_and_levels
@@ -86,6 +88,32 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     trees are grown, predicted and ranked for each; the confirmed (stop, size) with the best measured
     tokens/s wins, its stop is recorded as drafter.confidence (decoding with the tree uses it unless told
     another), the default chain keeps its own stop, and "stops" sums up each stop's best tree."""
+    depth = _check(heads, draft_model, method, select, max_nodes, max_rank, prompt_ids, depth)
+    stops = stop_candidates(draft_confidence) if heads is None else [None]
+    t0 = time.perf_counter()
+    seqs = greedy_sequences(model, tokenizer, prompt_ids, max_new_tokens)
+    log(f"calibration: {len(seqs)} greedy continuations ({sum(len(s) - p for s, p in seqs)} tokens) "
+        f"in {time.perf_counter() - t0:.1f} s")
+    b = _Build(model, tokenizer, heads, draft_model, prompt_ids, max_new_tokens, reps, log)
+    grown = _grow(b, seqs, stops, method, depth, max_rank, max_nodes, preselect, prompt_names)
+    sizes_of = {c: _size_rows(grown[c]) for c in stops}
+    best_stop, best = stops[0], len(grown[stops[0]][1])
+    by_batch: dict[str, int] = {}
+    baseline = None
+    if select == "measure":
+        seq, plen = max(seqs, key=lambda x: len(x[0]))
+        _time_sizes(b, grown, sizes_of, stops, seq, plen)
+        best_stop, chosen = _confirm(b, grown, sizes_of, stops, confirm)
+        best = chosen["nodes"]
+        baseline = _baseline(b, stops, default_paths, chosen)
+        by_batch = _by_batch(b, sizes_of[best_stop], grown[best_stop][1], batch_sizes, seq, plen)
+    return _result(b, grown, sizes_of, stops, best_stop, best, by_batch, baseline, seqs,
+                   method=method, select=select, depth=depth, max_rank=max_rank, prompt_names=prompt_names)
+
+
+def _check(heads, draft_model, method: str, select: str, max_nodes: int, max_rank: int, prompt_ids,
+           depth: int | None) -> int:
+    """Refuse what cannot be built; returns the tree depth (the number of heads, or 6 for a draft model)."""
     if (heads is None) == (draft_model is None):
         raise HydraspecError("build-tree needs exactly one drafter: heads or a draft model")
     if method not in ("medusa", "simulate"):
@@ -103,15 +131,39 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
     depth = depth or 6
     if depth < 1:
         raise HydraspecError("--max-depth must be at least 1")
+    return depth
 
-    stops = stop_candidates(draft_confidence) if heads is None else [None]
-    t0 = time.perf_counter()
-    seqs = greedy_sequences(model, tokenizer, prompt_ids, max_new_tokens)
-    log(f"calibration: {len(seqs)} greedy continuations ({sum(len(s) - p for s, p in seqs)} tokens) "
-        f"in {time.perf_counter() - t0:.1f} s")
-    scores = draft_scores(draft_model, seqs) if heads is None else None
-    kind = heads.kind if heads is not None else "draft"
-    grown = {}  # confidence stop -> (Calibration, growth order, expected tokens per step of T_1..T_N)
+
+@dataclass
+class _Build:
+    """The target, the drafter (heads or a draft model) and what timing and confirming a tree need."""
+
+    model: object
+    tokenizer: object
+    heads: object
+    draft_model: object
+    prompt_ids: list
+    max_new_tokens: int
+    reps: int
+    log: object
+
+    def make(self, paths, stop):
+        """The drafter with tree ``paths`` (None: its default) and, for a draft model, confidence stop ``stop``."""
+        if self.heads is not None:
+            return make_drafter(self.heads.kind, heads=self.heads, embed=self.model.get_input_embeddings(),
+                                tree=paths)
+        return make_drafter("draft", draft_model=self.draft_model, tree=paths, confidence=stop)
+
+    def throughput(self, drafter) -> dict:
+        return measure_throughput(self.model, self.tokenizer, drafter, self.prompt_ids, self.max_new_tokens)
+
+
+def _grow(b: _Build, seqs, stops, method: str, depth: int, max_rank: int, max_nodes: int, preselect: int,
+          prompt_names) -> dict:
+    """confidence stop -> (Calibration, growth order, expected tokens per step of T_1..T_N)."""
+    heads, model = b.heads, b.model
+    scores = draft_scores(b.draft_model, seqs) if heads is None else None
+    grown = {}
     for c in stops:
         if heads is not None:
             cal = Calibration(head_ranks(model, heads, model.get_input_embeddings(), seqs, depth, max_rank), depth,
@@ -125,122 +177,136 @@ def build_tree(model, tokenizer, *, prompt_ids: list[list[int]], prompt_names: l
         order, exp = grow_medusa(acceptance_table(cal), max_nodes) if method == "medusa" else \
             grow_simulate(cal, max_nodes, preselect=preselect)
         grown[c] = (cal, order, exp)
-        log(f"{method}{_stop_label(c)}: {len(order)} nested trees from {cal.positions} positions; expected "
-            f"tokens/step T1 {exp[0]:.3f}, T{len(order)} {exp[-1]:.3f}")
+        b.log(f"{method}{_stop_label(c)}: {len(order)} nested trees from {cal.positions} positions; expected "
+              f"tokens/step T1 {exp[0]:.3f}, T{len(order)} {exp[-1]:.3f}")
+    return grown
 
-    def make(paths, stop):  # paths None: the drafter's default
-        from ..drafters import make_drafter
 
-        if heads is not None:
-            return make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(), tree=paths)
-        return make_drafter("draft", draft_model=draft_model, tree=paths, confidence=stop)
+def _size_rows(grown_c) -> list[dict]:
+    cal, order, exp = grown_c
+    return [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
+             "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
+             "measured_tokens_per_s": None} for n in range(1, len(order) + 1)]
 
-    def size_rows(c):
-        cal, order, exp = grown[c]
-        return [{"nodes": n, "depth": len(max(order[:n], key=len)), "expected_tokens_per_step": round(exp[n - 1], 5),
-                 "verify_s": None, "draft_s": None, "step_s": None, "predicted_tokens_per_s": None,
-                 "measured_tokens_per_s": None} for n in range(1, len(order) + 1)]
 
-    sizes_of = {c: size_rows(c) for c in stops}
-    best_stop, best = stops[0], len(grown[stops[0]][1])
-    by_batch: dict[str, int] = {}
+def _time_sizes(b: _Build, grown: dict, sizes_of: dict, stops, seq, plen: int) -> None:
+    """Each size's verify and draft time (timed at a few sizes, interpolated between) and predicted tokens/s."""
     timings: dict = {}  # growth order -> (verify times, draft times) at its sampled sizes: shared by equal orders
-    if select == "measure":
-        seq, plen = max(seqs, key=lambda x: len(x[0]))
-        for c in stops:
-            cal, order, exp = grown[c]
-            sample = sample_sizes(len(order))
-            key = tuple(map(tuple, order))
-            if key not in timings:
-                # With the confidence stop, how much a draft model drafts per step depends on the text, so
-                # timing it on one sequence says little: time whole trees (no stop) and charge each T_n the
-                # verify and draft time of as many nodes as the replay shows it drafting per step on average.
-                timed = time_steps(model, lambda paths: make(paths, 0.0), order, seq, plen, sample, reps=reps,
-                                   want_hidden=heads is not None,
-                                   accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
-                timings[key] = ([timed[n][0] for n in sample], [timed[n][1] for n in sample])
-            vs, ds = timings[key]
-            for row in sizes_of[c]:
-                n = row["nodes"]
-                drafted = drafted_nodes(cal, order[:n])
-                if cal.levels is not None:
-                    row["drafted_nodes"] = round(drafted, 3)
-                v, d = interpolate(sample, vs, drafted), interpolate(sample, ds, drafted)
-                row.update(verify_s=round(v, 6), draft_s=round(d, 6), step_s=round(v + d, 6),
-                           predicted_tokens_per_s=round(row["expected_tokens_per_step"] / (v + d), 4),
-                           timed=n in sample)
-        candidates = sorted(((c, row) for c in stops for row in sizes_of[c]),
-                            key=lambda cr: -cr[1]["predicted_tokens_per_s"])[: max(1, confirm)]
-        for c, row in candidates:
-            order = grown[c][1]
-            row.update(measure_throughput(model, tokenizer, make(bfs_paths(order[: row["nodes"]]), c), prompt_ids,
-                                          max_new_tokens))
-            log(f"  T{row['nodes']}{_stop_label(c)}: predicted {row['predicted_tokens_per_s']:.2f} tokens/s and "
-                f"{row['expected_tokens_per_step']:.2f} tokens/step; measured {row['measured_tokens_per_s']:.2f} "
-                f"tokens/s ({row['measured_decode_tokens_per_s']:.2f} after the prefill) and "
-                f"{row['measured_tokens_per_step']:.2f} tokens/step")
-        best_stop, chosen = max(candidates, key=lambda cr: cr[1]["measured_tokens_per_s"])
-        best = chosen["nodes"]
-        # the default: the heads' tree, or the draft model's adaptive chain with its own stop unless one
-        # stop was asked for
-        base_stop = stops[0] if heads is None and len(stops) == 1 else None
-        baseline = {"tree": default_paths if default_paths is not None else
-                    ("the heads' built-in default tree" if heads is not None else "the adaptive-length chain"),
-                    **({"confidence": base_stop} if base_stop is not None else {}),
-                    **measure_throughput(model, tokenizer, make(default_paths, base_stop), prompt_ids,
-                                         max_new_tokens)}
-        faster = baseline["measured_tokens_per_s"] > chosen["measured_tokens_per_s"]
-        log(f"  default drafter: measured {baseline['measured_tokens_per_s']:.2f} tokens/s, "
-            f"{baseline['measured_tokens_per_step']:.2f} tokens/step"
-            + (f" -- faster than the selected T{best} ({chosen['measured_tokens_per_s']:.2f}) on these prompts: "
-               "the default is the better choice here" if faster else ""))
-        rows, border = sizes_of[best_stop], grown[best_stop][1]
-        for B in sorted({int(b) for b in batch_sizes or []} - {1}):
-            if B < 1:
-                raise HydraspecError(f"batch sizes must be positive, got {B}")
-            sample = sample_sizes(len(border))
-            vb = time_batch_verify(model, border, seq, plen, sample, B, reps=max(1, reps // 2))
-            vbs = [vb[n] for n in sample]
-            for row in rows:
-                n = row["nodes"]
-                v = interpolate(sample, vbs, n)
-                row.setdefault("by_batch", {})[str(B)] = {
-                    "verify_s": round(v, 6),
-                    "predicted_tokens_per_s": round(B * row["expected_tokens_per_step"] / (v + row["draft_s"]), 4)}
-            pick = max(rows, key=lambda r: r["by_batch"][str(B)]["predicted_tokens_per_s"])
-            by_batch[str(B)] = pick["nodes"]
-            log(f"  batch {B}: T{pick['nodes']} predicted {pick['by_batch'][str(B)]['predicted_tokens_per_s']:.2f} "
-                f"tokens/s over the batch")
+    for c in stops:
+        cal, order, exp = grown[c]
+        sample = sample_sizes(len(order))
+        key = tuple(map(tuple, order))
+        if key not in timings:
+            # With the confidence stop, how much a draft model drafts per step depends on the text, so
+            # timing it on one sequence says little: time whole trees (no stop) and charge each T_n the
+            # verify and draft time of as many nodes as the replay shows it drafting per step on average.
+            timed = time_steps(b.model, lambda paths: b.make(paths, 0.0), order, seq, plen, sample, reps=b.reps,
+                               want_hidden=b.heads is not None,
+                               accepted={n: int(round(exp[n - 1])) - 1 for n in sample})
+            timings[key] = ([timed[n][0] for n in sample], [timed[n][1] for n in sample])
+        vs, ds = timings[key]
+        for row in sizes_of[c]:
+            n = row["nodes"]
+            drafted = drafted_nodes(cal, order[:n])
+            if cal.levels is not None:
+                row["drafted_nodes"] = round(drafted, 3)
+            v, d = interpolate(sample, vs, drafted), interpolate(sample, ds, drafted)
+            row.update(verify_s=round(v, 6), draft_s=round(d, 6), step_s=round(v + d, 6),
+                       predicted_tokens_per_s=round(row["expected_tokens_per_step"] / (v + d), 4),
+                       timed=n in sample)
+
+
+def _confirm(b: _Build, grown: dict, sizes_of: dict, stops, confirm: int):
+    """The best few (stop, size) by predicted tokens/s, generated on the calibration prompts; returns the
+    fastest measured (stop, its size row)."""
+    candidates = sorted(((c, row) for c in stops for row in sizes_of[c]),
+                        key=lambda cr: -cr[1]["predicted_tokens_per_s"])[: max(1, confirm)]
+    for c, row in candidates:
+        order = grown[c][1]
+        row.update(b.throughput(b.make(bfs_paths(order[: row["nodes"]]), c)))
+        b.log(f"  T{row['nodes']}{_stop_label(c)}: predicted {row['predicted_tokens_per_s']:.2f} tokens/s and "
+              f"{row['expected_tokens_per_step']:.2f} tokens/step; measured {row['measured_tokens_per_s']:.2f} "
+              f"tokens/s ({row['measured_decode_tokens_per_s']:.2f} after the prefill) and "
+              f"{row['measured_tokens_per_step']:.2f} tokens/step")
+    return max(candidates, key=lambda cr: cr[1]["measured_tokens_per_s"])
+
+
+def _baseline(b: _Build, stops, default_paths, chosen: dict) -> dict:
+    """The drafter's default measured the same way: the heads' tree, or the draft model's adaptive chain with
+    its own stop unless one stop was asked for."""
+    base_stop = stops[0] if b.heads is None and len(stops) == 1 else None
+    baseline = {"tree": default_paths if default_paths is not None else
+                ("the heads' built-in default tree" if b.heads is not None else "the adaptive-length chain"),
+                **({"confidence": base_stop} if base_stop is not None else {}),
+                **b.throughput(b.make(default_paths, base_stop))}
+    faster = baseline["measured_tokens_per_s"] > chosen["measured_tokens_per_s"]
+    b.log(f"  default drafter: measured {baseline['measured_tokens_per_s']:.2f} tokens/s, "
+          f"{baseline['measured_tokens_per_step']:.2f} tokens/step"
+          + (f" -- faster than the selected T{chosen['nodes']} ({chosen['measured_tokens_per_s']:.2f}) on these "
+             "prompts: the default is the better choice here" if faster else ""))
+    return baseline
+
+
+def _by_batch(b: _Build, rows: list[dict], border, batch_sizes, seq, plen: int) -> dict[str, int]:
+    """For each batch size B > 1: the verify step timed with B rows and the tree size with the best predicted
+    tokens/s over the batch."""
+    by_batch: dict[str, int] = {}
+    for B in sorted({int(x) for x in batch_sizes or []} - {1}):
+        if B < 1:
+            raise HydraspecError(f"batch sizes must be positive, got {B}")
+        sample = sample_sizes(len(border))
+        vb = time_batch_verify(b.model, border, seq, plen, sample, B, reps=max(1, b.reps // 2))
+        vbs = [vb[n] for n in sample]
+        for row in rows:
+            n = row["nodes"]
+            v = interpolate(sample, vbs, n)
+            row.setdefault("by_batch", {})[str(B)] = {
+                "verify_s": round(v, 6),
+                "predicted_tokens_per_s": round(B * row["expected_tokens_per_step"] / (v + row["draft_s"]), 4)}
+        pick = max(rows, key=lambda r: r["by_batch"][str(B)]["predicted_tokens_per_s"])
+        by_batch[str(B)] = pick["nodes"]
+        b.log(f"  batch {B}: T{pick['nodes']} predicted {pick['by_batch'][str(B)]['predicted_tokens_per_s']:.2f} "
+              f"tokens/s over the batch")
+    return by_batch
+
+
+def _result(b: _Build, grown: dict, sizes_of: dict, stops, best_stop, best: int, by_batch: dict, baseline,
+            seqs, *, method: str, select: str, depth: int, max_rank: int, prompt_names) -> dict:
+    """The tree.json dict."""
+    heads = b.heads
     sizes, (cal, order, exp) = sizes_of[best_stop], grown[best_stop]
     a = acceptance_table(cal)
     winner = bfs_paths(order[:best])
     return {
         "format": TREE_FORMAT, "version": 1,
         "paths": winner, "nodes": best,
-        "notes": "paths: the chosen tree (rank paths, BFS order); order: the growth order, T_n = order[:n]; "
-                 "expected_tokens_per_step: accepted drafts + the target's bonus token, comparable to "
-                 "mean_accepted in hydraspec bench; times in seconds, measured on measured_on (batch size 1); "
-                 "measured_tokens_per_s: greedy generation on the calibration prompts, end to end (the "
-                 "selection criterion); measured_decode_tokens_per_s: the same without the prefill time, "
-                 "comparable to predicted_tokens_per_s; measured_tokens_per_step: its mean accepted length; "
-                 "drafted_nodes (draft model with a confidence stop): nodes drafted per step in the replay, "
-                 "verify_s and draft_s are the timed whole-tree times at that many nodes; drafter.confidence: the "
-                 "stop the tree was chosen with, used when decoding with it; stops: each stop tried, with its "
-                 "best tree",
+        "notes": _NOTES,
         "method": method, "select": select,
-        "drafter": {"kind": kind, "depth": depth, "max_rank": max_rank,
+        "drafter": {"kind": heads.kind if heads is not None else "draft", "depth": depth, "max_rank": max_rank,
                     **({"confidence": best_stop} if heads is None and best_stop is not None else {}),
                     **({"num_heads": heads.num_heads} if heads is not None else {})},
         "order": order,
         "acceptance": [[round(float(x), 5) for x in row] for row in a],
         "sizes": sizes,
-        "measured_on": machine_info(model),
-        **({"by_batch": {"1": winner, **{b: bfs_paths(order[:n]) for b, n in by_batch.items()}}} if by_batch else {}),
+        "measured_on": machine_info(b.model),
+        **({"by_batch": {"1": winner, **{k: bfs_paths(order[:n]) for k, n in by_batch.items()}}} if by_batch else {}),
         **({"default": baseline} if select == "measure" else {}),
         **({"stops": _stop_summary(stops, sizes_of, grown)} if len(stops) > 1 else {}),
         "calibration": {"prompts": list(prompt_names), "sequences": len(seqs), "positions": cal.positions,
-                        "max_new_tokens": max_new_tokens},
+                        "max_new_tokens": b.max_new_tokens},
     }
+
+
+_NOTES = ("paths: the chosen tree (rank paths, BFS order); order: the growth order, T_n = order[:n]; "
+          "expected_tokens_per_step: accepted drafts + the target's bonus token, comparable to "
+          "mean_accepted in hydraspec bench; times in seconds, measured on measured_on (batch size 1); "
+          "measured_tokens_per_s: greedy generation on the calibration prompts, end to end (the "
+          "selection criterion); measured_decode_tokens_per_s: the same without the prefill time, "
+          "comparable to predicted_tokens_per_s; measured_tokens_per_step: its mean accepted length; "
+          "drafted_nodes (draft model with a confidence stop): nodes drafted per step in the replay, "
+          "verify_s and draft_s are the timed whole-tree times at that many nodes; drafter.confidence: the "
+          "stop the tree was chosen with, used when decoding with it; stops: each stop tried, with its "
+          "best tree")
 
 
 def save_tree(result: dict, path) -> None:
@@ -250,10 +316,10 @@ def save_tree(result: dict, path) -> None:
 
 def plot_tree(result: dict, path) -> None:
     """PNG: expected tokens per step, step time and tokens/s against tree size."""
-    import matplotlib
+    import matplotlib  # heavy
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy
 
     rows = result["sizes"]
     n = [r["nodes"] for r in rows]

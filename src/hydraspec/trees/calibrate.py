@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..drafters.draft_model import log_top_prob
 from ..drafters.heads import full_vocab_logits
 from ..errors import HydraspecError
+from ..generator import SpeculativeGenerator
 
 
 @dataclass
@@ -50,8 +52,6 @@ class Calibration:
 
 def greedy_sequences(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], int]]:
     """(prompt + the target's greedy continuation, prompt length), generated with the engine."""
-    from ..generator import SpeculativeGenerator
-
     gen = SpeculativeGenerator(model, tokenizer)
     out = []
     for ids in prompt_ids:
@@ -145,8 +145,6 @@ def draft_scores(draft_model, seqs) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per sequence S, from one forward of the draft model over it: (R, top) with R[j] the draft's rank
     of S[j + 1] after S[.. j] and top[j] the log of its top probability there. Everything the replay
     needs for any tree depth and any confidence stop."""
-    from ..drafters.draft_model import log_top_prob
-
     out = []
     dev = draft_model.device
     for seq, _ in seqs:

@@ -13,7 +13,12 @@ import numpy as np
 import torch
 
 from .. import backend
+from ..cache import cache_kwargs, new_cache
+from ..drafters.base import DecodeState, Verdict
+from ..generator import SpeculativeGenerator
+from ..sampling import Sampling
 from ..tree import bfs_paths, parents_from_paths, shape_of
+from ..verify import forward_nodes, tree_mask
 
 
 def machine_info(model) -> dict:
@@ -64,11 +69,6 @@ def time_steps(model, make, order: list[list[int]], seq: list[int], plen: int, s
     Between drafter steps the sequence advances as decoding would: `accepted[n]` nodes of the rank-0
     path are accepted (reported to the drafter, so a draft model keeps them cached) plus the target's
     token, so the catch-up work of the next step is part of the timing (default: nothing accepted)."""
-    from ..cache import new_cache
-    from ..drafters.base import DecodeState, Verdict
-    from ..sampling import Sampling
-    from ..verify import forward_nodes
-
     dev = model.device
     prefix = seq[: max(plen, 2)]
     L = len(prefix) - 1
@@ -119,9 +119,6 @@ def time_batch_verify(model, order: list[list[int]], seq: list[int], plen: int, 
     """{n: seconds}: the median of `reps` verify forwards of `batch` rows, each holding the pending token
     and T_n under its tree mask after the same calibration prefix (what one step of the batched engine
     costs when every row drafts T_n)."""
-    from ..cache import cache_kwargs, new_cache
-    from ..verify import tree_mask
-
     dev = model.device
     prefix = seq[: max(plen, 2)]
     L = len(prefix) - 1
@@ -151,8 +148,6 @@ def measure_throughput(model, tokenizer, drafter, prompt_ids: list[list[int]], m
     """Greedy generation over the calibration prompts (after one warm-up), as tree.json records it:
     end-to-end tokens/s, tokens/s after the prefill (what the per-step prediction models) and the mean
     tokens per target forward."""
-    from ..generator import SpeculativeGenerator
-
     gen = SpeculativeGenerator(model, tokenizer, drafter)
     gen.generate(input_ids=prompt_ids[0], max_new_tokens=min(8, max_new_tokens))
     toks, forwards, wall, prefill = 0, 0, 0.0, 0.0
