@@ -11,7 +11,7 @@ version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 mkdir -p "$dest"
 cd "$dest"
 if [ ! -d src ]; then
-  python3 -m pip download --no-deps --no-binary :all: "llama-cpp-python==$version" -d sdist
+  python3 -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d sdist
   tar xzf sdist/llama_cpp_python-"$version".tar.gz
   mv llama_cpp_python-"$version"/vendor/llama.cpp src
   rm -rf llama_cpp_python-"$version" sdist

@@ -39,7 +39,8 @@ class Counters:
 
 class EngineWorker:
     """Runs ``engine``: ``start()`` in a daemon thread, or ``run()`` in the calling thread (the CLI runs it in
-    the main thread, where torch's OpenMP threads decode ~30 % faster than under a second Python thread).
+    the main thread, where torch's OpenMP threads decode faster than under a second Python thread; docs/cpu-kernels.md,
+    "Measurements behind the code").
     ``submit(request, on_event)``: on_event(kind, payload) is called from the engine's thread with
     ("tokens", ids) after each step and ("done", result) once."""
 

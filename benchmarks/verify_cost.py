@@ -1,9 +1,9 @@
 """Time one forward of a model over n new tokens after a 100-token prefix (the cost of a verify step).
 
-    python scripts/verify_cost.py qwen2.5-coder-1.5b-instruct --dtype bfloat16 [--no-prepack] [--quant int8|w8a8|w4a8]
-    python scripts/verify_cost.py qwen2.5-coder-1.5b-instruct --gguf      # at the GGUF file's own precision
+    python benchmarks/verify_cost.py qwen2.5-coder-1.5b-instruct --dtype bfloat16 [--no-prepack] [--quant int8|w8a8|w4a8]
+    python benchmarks/verify_cost.py qwen2.5-coder-1.5b-instruct --gguf      # at the GGUF file's own precision
 
-Prints the best of 3 runs per n, in ms. Used for the CPU kernel table in README.md.
+Prints the best of 3 runs per n, in ms. Used for the verify-cost tables in docs/cpu-kernels.md.
 """
 import argparse
 import time

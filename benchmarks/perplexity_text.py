@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a perplexity text from a Spec-Bench-format prompt file: the turns of its questions from --skip on,
 joined by blank lines (for `hydraspec perplexity --text`; keep the questions apart from those you evaluate on).
-    python scripts/perplexity_text.py PROMPTS.jsonl --skip 40 > text.txt"""
+    python benchmarks/perplexity_text.py PROMPTS.jsonl --skip 40 > text.txt"""
 import argparse
 import json
 import sys

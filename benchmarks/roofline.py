@@ -6,7 +6,7 @@ For a GGUF model at the file's precision, on one prompt:
 * llama.cpp: ms per token of `llama-server` on the same file and prompt ids (its own decode timing).
 Prints the weight bytes of one token (every GGUF matmul's buffers), ms per token and GB/s over them.
 
-    python scripts/roofline.py qwen2.5-coder-1.5b-instruct [--rounds 4] [--tokens 128]
+    python benchmarks/roofline.py qwen2.5-coder-1.5b-instruct [--rounds 4] [--tokens 128]
 """
 import argparse
 import json

@@ -3,7 +3,7 @@
 (the file's Q4_K codes), PyTorch's own int4 CPU matmul (aten._weight_int4pack_mm_for_cpu, asymmetric int4
 in groups of 32, bf16 scales and zeros), oneDNN int8 dynamic quantization (torch.ao, per-output int8
 weights), hydraspec's w4a8, and bf16 torch.nn.functional.linear. Prints a markdown table of ms per call.
-    python scripts/kernel_table.py [--out OUT] [--inp 1536] [--outp 8960]"""
+    python benchmarks/kernel_table.py [--out OUT] [--inp 1536] [--outp 8960]"""
 import argparse
 import time
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from hydraspec.cpu.gguf import GGUFLinear, QuantWeight
-from hydraspec.cpu.kernels import W4A8Linear
+from hydraspec.cpu.quantized import W4A8Linear
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--inp", type=int, default=1536)

@@ -6,9 +6,9 @@ tokens of a source (rows in a fixed shuffled order), then replays greedy decodin
 heads' default tree (`hydraspec.trees`: the accepted length at each step along the base model's own greedy
 answer, which is what greedy speculative decoding accepts) and records the mean tokens per step.
 
-    python scripts/learning_curve.py --answers answers.jsonl --text-rows text.jsonl \\
+    python benchmarks/learning_curve.py --answers answers.jsonl --text-rows text.jsonl \\
         --points answers:medusa,hydra,hydra++:12500,25000,50000,100000 --out curve/
-    python scripts/learning_curve.py --out curve/ --plot-only
+    python benchmarks/learning_curve.py --out curve/ --plot-only
 
 Sources: `answers` (self-distilled answers: each token cost a decoding step, `--datagen-tok-s` tokens per
 second measured apart) and `text` (rows read at prefill speed, soft targets from the base: no data cost
