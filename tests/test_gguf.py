@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import gguf
+from hydraspec.cache import cache_kwargs
 from hydraspec.errors import HydraspecError
 from hydraspec.cpu.gguf import SUPPORTED, GGUFEmbedding, GGUFLinear, decode
 
@@ -191,7 +192,7 @@ def test_loader_maps_every_tensor_as_transformers_does(tmp_path):
         full = model(ids).logits
         # the last position computed alone, after the others in the cache, gives the same logits
         out = model(ids[:, :3], use_cache=True)
-        last = model(ids[:, 3:], past_key_values=out.past_key_values).logits
+        last = model(ids[:, 3:], **cache_kwargs(model, out.past_key_values)).logits
     assert torch.allclose(full[:, 3], last[:, 0], atol=1e-5)
 
 

@@ -79,8 +79,8 @@ def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair, monkey
 
     rows_run = []  # the sizes of the forwards that went through the compiled graph
     run = graph._run
-    monkeypatch.setattr(graph, "_run", lambda compiled, past, **kw: rows_run.append(kw["input_ids"].shape[1])
-                        or run(compiled, past, **kw))
+    monkeypatch.setattr(graph, "_run", lambda compiled, past, cache, **kw: rows_run.append(kw["input_ids"].shape[1])
+                        or run(compiled, past, cache, **kw))
 
     eager, compiled, tok = pair
     prompt = torch.tensor(tok(PROMPT * 2).input_ids)
