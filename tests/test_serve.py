@@ -65,10 +65,12 @@ def single(method, text, max_tokens):
 
 
 @contextlib.contextmanager
-def server(method="pld", *, max_batch=4, max_queue=16, api_key=None, max_context=200, adaptive=True):
-    bg = BatchGenerator(target(), tokenizer(), drafter(method))
+def server(method="pld", *, max_batch=4, max_queue=16, api_key=None, max_context=200, adaptive=True,
+           prefix_tokens=0, tok=None):
+    bg = BatchGenerator(target(), tok or tokenizer(), drafter(method))
     app, worker, _ = build_server(bg, "tiny", max_batch=max_batch, max_context=max_context, max_queue=max_queue,
-                                  api_key=api_key, adaptive=adaptive, say=lambda m: None)
+                                  api_key=api_key, adaptive=adaptive, say=lambda m: None,
+                                  prefix_tokens=prefix_tokens)
     cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     srv = uvicorn.Server(cfg)
     th = threading.Thread(target=srv.run, daemon=True)
@@ -277,6 +279,26 @@ def test_predicted_outputs_through_the_openai_client():
         assert d.rejected_prediction_tokens > 0 and d.accepted_prediction_tokens > 0
         with pytest.raises(openai.BadRequestError, match="prediction.type"):
             chat(c, PROMPTS[1], 4, prediction={"type": "other", "content": "x"})
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_a_chat_through_the_prefix_cache_answers_as_without_it(method):
+    """Each turn re-sends the conversation (as chat clients do): later turns read only the new tokens
+    (usage.prompt_tokens_details.cached_tokens) and every answer is the one decoded alone, from scratch."""
+    tok = tiny.make_tokenizer()  # a turn ends with a marker, as in real chat templates (w1 user, w2 assistant)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }} {{ 'w1' if m['role'] == 'user' else 'w2' }} "
+                         "{% endfor %}")
+    messages = []
+    with server(method, prefix_tokens=2000, tok=tok) as (base, _):
+        c = client(base)
+        for turn, text in enumerate(PROMPTS[:3]):
+            messages.append({"role": "user", "content": text})
+            r = c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
+            g = SpeculativeGenerator(target(), tok, drafter(method))
+            assert r.choices[0].message.content == g.generate(messages, max_new_tokens=12).text
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            assert (cached == 0) if turn == 0 else (cached > 12 * turn)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
 
 
 def test_adaptive_rule_drafts_less_when_verify_cost_grows():

@@ -16,6 +16,7 @@ from .accept import ACCEPTORS
 from .adaptive import make_policy
 from .cache import text_config
 from .drafters.base import Drafter, NoDrafter
+from .prefix_pool import PrefixPool
 from .engine import Engine, Request
 from .errors import HydraspecError
 from .inputs import check_length, check_sampling, eos_ids, prompt_ids
@@ -102,6 +103,7 @@ class BatchGenerator:
         self.typical = {"epsilon": typical_epsilon, "alpha": typical_alpha}
         self.eos = eos_ids(model, tokenizer)
         self.policies: dict[tuple, DraftPolicy] = {}
+        self.prefix_pool: PrefixPool | None = None  # set to keep prompts' keys and values across calls
 
     @property
     def max_nodes(self) -> int:
@@ -186,7 +188,8 @@ class BatchGenerator:
     def engine(self, rows: int, capacity: int, keep_hidden: bool = False, policy: DraftPolicy | None = None) -> Engine:
         """An Engine of ``rows`` rows of ``capacity`` cache slots with this generator's drafter and settings."""
         return Engine(self.model, self.tokenizer, self.drafter, self.eos, rows=rows, capacity=capacity,
-                      acceptor=self.acceptor, typical=self.typical, policy=policy, keep_hidden=keep_hidden)
+                      acceptor=self.acceptor, typical=self.typical, policy=policy, keep_hidden=keep_hidden,
+                      prefix_pool=self.prefix_pool)
 
 
 def run(engine: Engine, n: int, on_result=None) -> list[GenerationResult]:

@@ -196,6 +196,19 @@ def copy_rows(src, dst, rows: int) -> None:
     use_rows(dst, 0, rows)
 
 
+def read_row(cache, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row ``row``'s keys and values at slots [0, n), per layer: views [kv_heads, n, head_dim]."""
+    return [(layer.full_k[row, :, :n], layer.full_v[row, :, :n]) for layer in cache.layers]
+
+
+def write_row(cache, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write per-layer (keys, values) [kv_heads, n, head_dim] into row ``row`` at slots [0, n)."""
+    for layer, (k, v) in zip(cache.layers, kv):
+        n = k.shape[1]
+        layer.full_k[row, :, :n] = k
+        layer.full_v[row, :, :n] = v
+
+
 def select_rows(cache, keep: torch.Tensor) -> None:
     """Drop the cache rows of finished sequences: the kept rows move to the front of the same buffers
     (allocated once, never grown) and the layers see only those rows from now on."""
@@ -209,9 +222,11 @@ def select_rows(cache, keep: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def prefill_rows(model, cache, first: int, prompts: list[list[int]], need_hidden: bool = False) -> list:
-    """Write prompts[b] into cache row first + b, slots [0, len(prompts[b])). Returns each row's
-    last-layer hidden states [len, dim] when ``need_hidden`` (None for an empty prompt or otherwise).
+def prefill_rows(model, cache, first: int, prompts: list[list[int]], need_hidden: bool = False,
+                 starts: list[int] | None = None) -> list:
+    """Write prompts[b] into cache row first + b, slots [starts[b], starts[b] + len(prompts[b])) (starts:
+    slots already filled, e.g. from a prefix cache; default 0). Returns each row's last-layer hidden states
+    [len, dim] when ``need_hidden`` (None for an empty prompt or otherwise).
     Each row is prefilled by its own forward over exactly its prompt: a prefill is compute-bound, and
     one right-padded [B, longest] forward spent a third of its time on padding for HumanEval prompts.
     The write pointer is restored; the caller selects the rows to use next."""
@@ -221,9 +236,11 @@ def prefill_rows(model, cache, first: int, prompts: list[list[int]], need_hidden
     for b, ids in enumerate(prompts):
         h = None
         if ids:
+            start = starts[b] if starts else 0
             use_rows(cache, first + b, first + b + 1)
-            set_length(cache, 0)
-            out = model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.arange(len(ids), device=dev)[None],
+            set_length(cache, start)
+            out = model(input_ids=torch.tensor([ids], device=dev),
+                        position_ids=torch.arange(start, start + len(ids), device=dev)[None],
                         **cache_kwargs(model, cache), use_cache=True, output_hidden_states=need_hidden,
                         logits_to_keep=1)
             h = out.hidden_states[-1][0] if need_hidden else None

@@ -149,7 +149,7 @@ def cmd_serve(args) -> int:
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
                                   max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
-                                  adaptive=not args.no_adaptive, start_worker=False,
+                                  adaptive=not args.no_adaptive, start_worker=False, prefix_tokens=args.prefix_cache,
                                   say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run(app, worker, args.host, args.port)
@@ -208,6 +208,10 @@ def _add_serve(sub) -> None:
                         "for --max-batch rows of it is allocated at start-up")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running rows before "
                                                              "new ones get 429 (default 64)")
+    s.add_argument("--prefix-cache", type=int, default=16384, metavar="TOKENS",
+                   help="keep the keys and values of up to this many tokens of earlier prompts and answers, so "
+                        "a request that starts with one (a chat's next turn) reads only what is new (default "
+                        "16384; 0: off)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--no-adaptive", action="store_true",

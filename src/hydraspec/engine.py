@@ -20,7 +20,9 @@ linear layers for its own nodes only; elsewhere each tree is padded to N with du
 per row: L_b + depth. After acceptance each row moves its own accepted path from W + path to L_b + i and
 L_b grows by the path length. Rows that finish (EOS, token budget, stop string, cancellation) leave the
 cache at once; a waiting request takes a free row at the next step: it is prefilled on its own and joins
-that step. The caches are allocated once, for ``rows`` rows of ``capacity`` slots, and reused.
+that step. The caches are allocated once, for ``rows`` rows of ``capacity`` slots, and reused. With a
+prefix pool (hydraspec.prefix_pool) a joining row first takes the longest cached prefix of its prompt and
+reads only the rest; a leaving row leaves its tokens there.
 
 Guarantee: every request's output is what it would be decoded alone (greedy: token for token; sampling:
 the same distribution, and with its own seed the same draws), whatever runs beside it. Each request
@@ -39,6 +41,7 @@ from .cache import allocate_rows, compact, new_cache, prefill_rows, select_rows,
 from .drafters.base import DecodeState, Drafter, NoDrafter, Verdict
 from .errors import HydraspecError
 from .policy import DraftPolicy, RowStep, StepReport
+from .prefix_pool import PrefixPool
 from .results import GenerationResult, Stats
 from .sampling import Sampling
 from .tree import DraftTree, TreeShape, shape_of
@@ -126,7 +129,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, drafter: Drafter | None, eos: set[int], *, rows: int, capacity: int,
                  acceptor: str | None = None, typical: dict | None = None, policy: DraftPolicy | None = None,
-                 keep_hidden: bool = False, packed: bool = True):
+                 keep_hidden: bool = False, packed: bool = True, prefix_pool: PrefixPool | None = None):
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos)
         self.device, self.dtype = model.device, model.dtype
         self.drafter = drafter or NoDrafter()
@@ -135,6 +138,7 @@ class Engine:
         self.keep_hidden, self.packed = keep_hidden, packed and can_pack(model)
         self.rows, self.capacity = rows, capacity
         self.need_hidden = keep_hidden or self.drafter.needs_hidden
+        self.prefix_pool = None if self.need_hidden else prefix_pool  # hidden states are not pooled
         with torch.inference_mode():  # inference tensors wherever the engine is built, as every step makes them
             self.cache = new_cache(model, capacity)
             allocate_rows(self.cache, model, rows)
@@ -176,8 +180,10 @@ class Engine:
         new = [self._new_row(req) for req in self.waiting[:k]]
         del self.waiting[:k]
         first = len(self.active)
-        # every prompt but its last token (the pending one) into the cache
-        hidden = prefill_rows(self.model, self.cache, first, [r.req.ids[:-1] for r in new], self.need_hidden)
+        # every prompt but its last token (the pending one) into the cache, after what the prefix pool holds
+        starts = [self._reuse(first + i, r) for i, r in enumerate(new)]
+        hidden = prefill_rows(self.model, self.cache, first, [r.req.ids[n:-1] for r, n in zip(new, starts)],
+                              self.need_hidden, starts)
         for r, h in zip(new, hidden):
             r.length = len(r.req.ids) - 1
             if h is not None:
@@ -191,6 +197,13 @@ class Engine:
             r.stats.prefill_s = t1 - t0
         self.active.extend(new)
         self.admissions += 1
+
+    def _reuse(self, row: int, r: _Row) -> int:
+        """Cache row ``row`` takes the longest prefix of the prompt that the prefix pool holds; its length."""
+        n = self.prefix_pool.load(self.cache, row, r.req.ids[:-1]) if self.prefix_pool is not None else 0
+        if n:
+            r.state.counters["cached_tokens"] = n
+        return n
 
     def _new_row(self, req: Request) -> _Row:
         gen = None
@@ -329,6 +342,8 @@ class Engine:
                 r.finish = finish
                 r.stats.wall_s = time.perf_counter() - r.t_start
             r.state.done = True
+            if self.prefix_pool is not None:  # its cache holds tokens [0, length): kept for later requests
+                self.prefix_pool.store(self.cache, b, r.state.tokens[:min(r.length, len(r.state.tokens))])
             r.req.result = self._result(r)
             done.append(r.req)
         keep = [b for b in range(len(self.active)) if b not in set(gone)]

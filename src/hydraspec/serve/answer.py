@@ -55,6 +55,7 @@ def usage(result) -> dict:
     details = {k: s.counters.get(k, 0) for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
     return {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
             "total_tokens": len(result.prompt_ids) + len(result.token_ids),
+            "prompt_tokens_details": {"cached_tokens": s.counters.get("cached_tokens", 0)},
             "completion_tokens_details": {"reasoning_tokens": 0, **details},
             "mean_accepted_tokens_per_forward": round(s.mean_accepted, 4)}
 

@@ -15,6 +15,7 @@ from ..errors import HydraspecError
 from ..inputs import context_limit, encode_prompt
 from ..adaptive import AdaptiveDraft
 from ..verify_cost import stored_cost_path
+from ..prefix_pool import PrefixPool, bytes_per_token
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
 
@@ -23,8 +24,9 @@ log = logging.getLogger("hydraspec.serve")
 
 def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max_context: int | None = None,
                  max_queue: int = 64, api_key: str | None = None, adaptive: bool = True, say=print,
-                 start_worker: bool = True):
-    """The FastAPI app and its worker for generator ``bg`` (model, tokenizer, drafter, acceptor)."""
+                 start_worker: bool = True, prefix_tokens: int = 0):
+    """The FastAPI app and its worker for generator ``bg`` (model, tokenizer, drafter, acceptor).
+    prefix_tokens: the prefix cache across requests holds up to this many tokens (0: none)."""
     if max_batch < 1:
         raise HydraspecError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 0:
@@ -41,6 +43,10 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         say(f"the verify cost for the adaptive draft length: read back from {stored}" if stored is not None
             and stored.exists() else "measuring the verify cost for the adaptive draft length ...")
     bg.adaptive = adaptive
+    if prefix_tokens > 0:
+        bg.prefix_pool = PrefixPool(prefix_tokens)
+        say(f"prefix cache: up to {prefix_tokens} tokens ({gib(prefix_tokens * bytes_per_token(bg.model))}) of "
+            "earlier prompts and answers")
     rule = bg.policy(serving=True)
     engine = bg.engine(max_batch, capacity, policy=rule)
     if isinstance(rule, AdaptiveDraft):
