@@ -275,6 +275,23 @@ def test_end_to_end(tiny, prompts, tmp_path):
         assert len(ch["accept_lengths"]) == 2
 
 
+def test_prefix_cache_reads_only_the_new_turn_and_changes_no_answer(tiny, prompts, tmp_path):
+    """--prefix-cache: a second turn starts from the first turn's prompt and answer (per method), and every
+    answer is the one read from scratch."""
+    def answers(out):
+        data = json.loads((out / "results.json").read_text())
+        return {(r["method"], r["question_id"]): r["turns"] for r in data["records"]}
+    plain, cached = tmp_path / "plain", tmp_path / "cached"
+    assert run_bench(_bench_args(prompts, plain, "ar,pld"), loader=tiny) == 0
+    assert run_bench(_bench_args(prompts, cached, "ar,pld", "--prefix-cache", "1000"), loader=tiny) == 0
+    a, b = answers(plain), answers(cached)
+    assert {k: [t["token_ids"] for t in v] for k, v in a.items()} == {k: [t["token_ids"] for t in v] for k, v in b.items()}
+    for m in ("ar", "pld"):
+        first, second = b[(m, 1)]
+        assert first["cached_tokens"] == 0 and second["cached_tokens"] >= first["prompt_tokens"]
+        assert all(t["cached_tokens"] == 0 for t in a[(m, 1)])
+
+
 def test_resume_after_interrupt(tiny, prompts, tmp_path, monkeypatch):
     out = tmp_path / "resume"
     real = bench_methods.EngineRunner.generate

@@ -12,7 +12,7 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("HYDRASPEC_SKIP_SLOW") == "1", reason="HYDRASPEC_SKIP_SLOW=1"),
 ]
 
-PROMPT = "Write a Python function that checks whether a number is prime."
+PROMPT = " ".join(f"w{i}" for i in (5, 9, 12, 5, 9, 30, 31, 32, 5, 9, 12, 40, 41, 7, 7, 3, 2, 50, 51, 5, 9))
 
 
 def _graph_or_skip():
@@ -24,17 +24,39 @@ def _graph_or_skip():
     return graph
 
 
+def _tiny_gguf_model(path):
+    """The one-layer llama GGUF of tests/test_gguf.py at its precision, as load_model builds a GGUF model."""
+    from transformers import LlamaConfig
+
+    from hydraspec.backend import fuse_ops
+    from hydraspec.cpu.attention import register
+    from hydraspec.cpu.gguf_load import build_model
+
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    model = build_model(path, config, torch.bfloat16, register(), progress=False).eval()
+    fuse_ops(model)
+    return model
+
+
 @pytest.fixture(scope="module")
-def pair():
-    """SmolLM2 at its GGUF precision twice: eager, and with compiled steps (compiled once for the module)."""
-    from hydraspec.models import load_model
+def pair(tmp_path_factory):
+    """A small GGUF model (random weights of five block types) at its precision twice: eager, and with compiled
+    steps (compiled once for the module: a one-layer graph compiles in seconds, where SmolLM2's took minutes)."""
+    import tiny
+    from test_gguf import _write_tiny_llama
+
+    from hydraspec.backend import compile_steps
 
     _graph_or_skip()
     torch.set_num_threads(2)
-    eager, tok = load_model("smollm2-135m-instruct", quant="gguf", device="cpu", auto_pull=True)
-    compiled, _ = load_model("smollm2-135m-instruct", quant="gguf", device="cpu", auto_pull=True, compile=True)
+    path = tmp_path_factory.mktemp("graph") / "tiny.gguf"
+    _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+    eager, compiled = _tiny_gguf_model(path), _tiny_gguf_model(path)
+    assert compile_steps(compiled) is None
     assert getattr(compiled, "hs_compiled", False) and not getattr(eager, "hs_compiled", False)
-    return eager, compiled, tok
+    return eager, compiled, tiny.make_tokenizer(64)
 
 
 @torch.inference_mode()  # as the engine runs the model: the graphs compiled at load apply
@@ -83,7 +105,7 @@ def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair, monkey
                         or run(compiled, past, cache, **kw))
 
     eager, compiled, tok = pair
-    prompt = torch.tensor(tok(PROMPT * 2).input_ids)
+    prompt = torch.tensor(tok(PROMPT + " " + PROMPT).input_ids)
     assert len(prompt) > MAX_ROWS  # so the prefill runs eagerly
     caches = [new_cache(m, 256) for m in (eager, compiled)]
     for m, c in zip((eager, compiled), caches):
@@ -91,7 +113,7 @@ def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair, monkey
     L = len(prompt)
     gen = torch.Generator().manual_seed(0)
     for n in (2, 5, 3, MAX_ROWS, 7):
-        ids = torch.randint(0, 1000, (n,), generator=gen)
+        ids = torch.randint(0, 64, (n,), generator=gen)
         if n % 2:  # a tree: node i hangs under node (i - 1) // 2
             parent = [-1] + [(i - 1) // 2 for i in range(1, n)]
             anc = torch.eye(n, dtype=torch.bool)
@@ -116,11 +138,11 @@ def test_every_method_answers_as_plain_decoding_with_compiled_steps(pair):
     """With compiled steps and verify forwards and eager prefills mixed in one answer, speculation still
     returns plain decoding's tokens, and those are the eager model's."""
     eager, compiled, tok = pair
-    ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=64)
-    ar = SpeculativeGenerator(compiled, tok).generate(PROMPT, max_new_tokens=64)
+    ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=64, chat=False)
+    ar = SpeculativeGenerator(compiled, tok).generate(PROMPT, max_new_tokens=64, chat=False)
     assert ar.token_ids == ref.token_ids
     for drafter in (make_drafter("pld"), make_drafter("draft", draft_model=compiled)):
-        res = SpeculativeGenerator(compiled, tok, drafter).generate(PROMPT, max_new_tokens=64)
+        res = SpeculativeGenerator(compiled, tok, drafter).generate(PROMPT, max_new_tokens=64, chat=False)
         assert res.token_ids == ref.token_ids, drafter.name
 
 
@@ -133,10 +155,10 @@ def test_an_engine_built_outside_inference_mode_runs_the_graphs_compiled_at_load
     from hydraspec.engine import Request
 
     eager, compiled, tok = pair
-    ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=24)
+    ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=24, chat=False)
     bg = BatchGenerator(compiled, tok, make_drafter("pld"))
     engine = bg.engine(rows=2, capacity=256)  # as hydraspec serve builds it: no inference mode around it
-    ids = SpeculativeGenerator(compiled, tok).encode(PROMPT)
+    ids = SpeculativeGenerator(compiled, tok).encode(PROMPT, chat=False)
     req = Request(ids, 24)
     engine.add(req)
     graphs, captured = counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]

@@ -366,10 +366,28 @@ def test_bench_serve_measures_a_real_server(tmp_path):
     from hydraspec.bench.serve_load import run_level, table
 
     with server("pld", max_batch=2) as (base, _):
-        r = run_level(base, "tiny", PROMPTS[:4], 2, 12)
+        r = run_level(base, "tiny", [[p] for p in PROMPTS[:4]], 2, 12)
     assert r["requests"] == 4 and r["tokens"] == 48  # no EOS in the tiny model: every answer is 12 tokens
     assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["itl_p50_ms"] > 0
-    assert "| 2 | 4 | 48 |" in table([r], "x")
+    assert "| 2 | 4 | 48 |" in table([r], "x") and "later_ttft_p50_s" not in r
+
+
+def test_bench_serve_multi_turn_resends_the_conversation_with_the_servers_answers():
+    from hydraspec.bench.serve_load import converse, run_level, run_open, table
+
+    with server("ar", max_batch=2, prefix_tokens=2000) as (base, _):
+        turns = converse(base, "tiny", PROMPTS[:3], 8, None, 60)
+        r = run_level(base, "tiny", [PROMPTS[:2], PROMPTS[2:4]], 2, 8)
+        o = run_open(base, "tiny", [PROMPTS[:2], PROMPTS[2:4], PROMPTS[4:6]], 50.0, 8)
+    assert o["requests"] == 6 and o["tokens"] == 48 and o["concurrency"] == "50/s"
+    messages = []
+    for t, user in enumerate(PROMPTS[:3]):  # each turn's answer is the one for the conversation with the earlier ones
+        messages.append({"role": "user", "content": user})
+        want = SpeculativeGenerator(target(), tokenizer()).generate(messages, max_new_tokens=8).text
+        assert turns[t]["text"] == want and turns[t]["turn"] == t
+        messages.append({"role": "assistant", "content": want})
+    assert r["requests"] == 4 and r["tokens"] == 32 and r["later_ttft_p50_s"] > 0
+    assert "later turns' TTFT" in table([r], "x")
 
 
 def test_shutdown_mid_request_is_an_error_not_a_finished_answer():

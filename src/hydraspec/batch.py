@@ -104,6 +104,7 @@ class BatchGenerator:
         self.eos = eos_ids(model, tokenizer)
         self.policies: dict[tuple, DraftPolicy] = {}
         self.prefix_pool: PrefixPool | None = None  # set to keep prompts' keys and values across calls
+        self.prefill_chunk = 0  # prompt tokens a joining row reads per step while others decode (0: whole)
 
     @property
     def max_nodes(self) -> int:
@@ -189,7 +190,7 @@ class BatchGenerator:
         """An Engine of ``rows`` rows of ``capacity`` cache slots with this generator's drafter and settings."""
         return Engine(self.model, self.tokenizer, self.drafter, self.eos, rows=rows, capacity=capacity,
                       acceptor=self.acceptor, typical=self.typical, policy=policy, keep_hidden=keep_hidden,
-                      prefix_pool=self.prefix_pool)
+                      prefix_pool=self.prefix_pool, prefill_chunk=self.prefill_chunk)
 
 
 def run(engine: Engine, n: int, on_result=None) -> list[GenerationResult]:

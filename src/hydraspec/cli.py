@@ -150,6 +150,7 @@ def cmd_serve(args) -> int:
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
                                   max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
                                   adaptive=not args.no_adaptive, start_worker=False, prefix_tokens=args.prefix_cache,
+                                  prefill_chunk=args.prefill_chunk,
                                   say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run(app, worker, args.host, args.port)
@@ -212,6 +213,9 @@ def _add_serve(sub) -> None:
                    help="keep the keys and values of up to this many tokens of earlier prompts and answers, so "
                         "a request that starts with one (a chat's next turn) reads only what is new (default "
                         "16384; 0: off)")
+    s.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
+                   help="while requests decode, a new request's prompt is read this many tokens a step inside "
+                        "their forwards, so they keep streaming (default 64; 0: read whole when it joins)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--no-adaptive", action="store_true",

@@ -44,7 +44,7 @@ from .policy import DraftPolicy, RowStep, StepReport
 from .prefix_pool import PrefixPool
 from .results import GenerationResult, Stats
 from .sampling import Sampling
-from .tree import DraftTree, TreeShape, shape_of
+from .tree import DraftTree, TreeShape, chain, shape_of
 from .verify import can_pack, verify_rows
 
 __all__ = ["Request", "Engine", "cancelled_result", "stop_at", "trim_after_stop"]
@@ -83,18 +83,27 @@ class _Row:
     done: bool = False
     t_start: float = 0.0  # when the row was admitted (its latency runs from here)
     hidden_log: list | None = None  # keep_hidden: the target's last hidden states, in position order
+    reading: bool = True  # its prompt is not all in the cache yet (it does not decode)
 
     @property
     def new(self) -> list[int]:
         return self.state.tokens[self.state.prompt_len:]
+
+    @property
+    def unread(self) -> int:
+        """Prompt tokens (all but the last, the pending one) not yet in the cache."""
+        return max(0, self.state.prompt_len - 1 - self.length)
 
 
 @dataclass
 class StepRecord:
     """One step's data as it flows through the phases; B running rows, T verify nodes over all rows."""
 
-    rows: list[_Row]  # [B] the running rows, in cache order
+    rows: list[_Row]  # [B] the decoding rows, in cache order
     started: float  # perf_counter at the start of the step
+    where: list[int] = field(default_factory=list)  # [B] each decoding row's index into the engine's rows
+    chunks: dict[int, list[int]] = field(default_factory=dict)  # row index -> prompt tokens it reads this step
+    width: int = 0  # N: the largest verify tree (or chunk); the forward writes slots [W, W + N)
     drafted: bool = False  # whether the drafter was asked
     trees: list[DraftTree] = field(default_factory=list)  # [B] each row's proposal, as verified
     shapes: list[TreeShape] = field(default_factory=list)  # [B] verify trees (node 0: the pending token)
@@ -125,11 +134,15 @@ class Engine:
     ``cancel(request)`` drops it at the next step boundary. eos: the token ids that end a sequence.
     policy: how much of each proposal is verified (hydraspec.policy; default: all of it). keep_hidden: each
     result also carries the target's last hidden states. packed: verify the rows packed where the backend
-    allows (hydraspec.verify.can_pack)."""
+    allows (hydraspec.verify.can_pack). prefix_pool: keys and values of earlier sequences to start from
+    (hydraspec.prefix_pool). prefill_chunk: while rows decode, a joining row reads its prompt this many
+    tokens a step inside the decoding forward (packed rows only), so the running rows keep advancing; 0, or
+    when no row decodes: the prompt is read whole at admission."""
 
     def __init__(self, model, tokenizer, drafter: Drafter | None, eos: set[int], *, rows: int, capacity: int,
                  acceptor: str | None = None, typical: dict | None = None, policy: DraftPolicy | None = None,
-                 keep_hidden: bool = False, packed: bool = True, prefix_pool: PrefixPool | None = None):
+                 keep_hidden: bool = False, packed: bool = True, prefix_pool: PrefixPool | None = None,
+                 prefill_chunk: int = 0):
         self.model, self.tokenizer, self.eos = model, tokenizer, set(eos)
         self.device, self.dtype = model.device, model.dtype
         self.drafter = drafter or NoDrafter()
@@ -139,6 +152,7 @@ class Engine:
         self.rows, self.capacity = rows, capacity
         self.need_hidden = keep_hidden or self.drafter.needs_hidden
         self.prefix_pool = None if self.need_hidden else prefix_pool  # hidden states are not pooled
+        self.prefill_chunk = 0 if self.need_hidden or not self.packed else max(0, int(prefill_chunk))
         with torch.inference_mode():  # inference tensors wherever the engine is built, as every step makes them
             self.cache = new_cache(model, capacity)
             allocate_rows(self.cache, model, rows)
@@ -173,30 +187,44 @@ class Engine:
 
     # -- admission --------------------------------------------------------------------------------------
     def _admit(self) -> None:
+        """Waiting requests take free rows, each starting from the longest prefix the pool holds; the rest of
+        their prompts is read whole now where no row decodes (nobody waits), else a chunk a step inside the
+        decoding forwards (``_record``)."""
         k = min(self.rows - len(self.active), len(self.waiting))
-        if k <= 0:
-            return
-        t0 = time.perf_counter()
-        new = [self._new_row(req) for req in self.waiting[:k]]
-        del self.waiting[:k]
-        first = len(self.active)
-        # every prompt but its last token (the pending one) into the cache, after what the prefix pool holds
-        starts = [self._reuse(first + i, r) for i, r in enumerate(new)]
-        hidden = prefill_rows(self.model, self.cache, first, [r.req.ids[n:-1] for r, n in zip(new, starts)],
-                              self.need_hidden, starts)
-        for r, h in zip(new, hidden):
+        if k > 0:
+            t0 = time.perf_counter()
+            new = [self._new_row(req) for req in self.waiting[:k]]
+            del self.waiting[:k]
+            for i, r in enumerate(new):
+                r.t_start = t0
+                r.length = self._reuse(len(self.active) + i, r)
+            self.active.extend(new)
+            use_rows(self.cache, 0, len(self.active))
+            self.admissions += 1
+        for r in self.active:
+            if r.reading and not r.unread:
+                self._done_reading(r)
+        if not self.prefill_chunk or all(r.reading for r in self.active):
+            self._read_whole()
+
+    def _read_whole(self) -> None:
+        """Every reading row's unread prompt into the cache, one forward each (a prefill is compute-bound)."""
+        for b, r in enumerate(self.active):
+            if not r.reading:
+                continue
+            h = prefill_rows(self.model, self.cache, b, [r.req.ids[r.length:-1]], self.need_hidden, [r.length])[0]
             r.length = len(r.req.ids) - 1
             if h is not None:
                 r.state.hidden, r.state.new_hidden = h[-1], h
-            if self.keep_hidden:
-                r.hidden_log = [h.clone()] if h is not None else []
-        use_rows(self.cache, 0, first + len(new))
-        t1 = time.perf_counter()
-        for r in new:
-            r.t_start = t0
-            r.stats.prefill_s = t1 - t0
-        self.active.extend(new)
-        self.admissions += 1
+                if self.keep_hidden:
+                    r.hidden_log.append(h.clone())
+            self._done_reading(r)
+        use_rows(self.cache, 0, len(self.active))
+
+    @staticmethod
+    def _done_reading(r: _Row) -> None:
+        r.reading = False
+        r.stats.prefill_s = time.perf_counter() - r.t_start
 
     def _reuse(self, row: int, r: _Row) -> int:
         """Cache row ``row`` takes the longest prefix of the prompt that the prefix pool holds; its length."""
@@ -211,7 +239,8 @@ class Engine:
             gen = torch.Generator().manual_seed(req.seed if req.seed is not None else torch.seed())
         state = DecodeState(tokens=list(req.ids), prompt_len=len(req.ids), sampling=req.sampling, generator=gen,
                             capacity=self.slots(req), prediction=req.prediction)
-        return _Row(req=req, state=state, gen=gen, stats=Stats(prompt_tokens=len(req.ids)))
+        return _Row(req=req, state=state, gen=gen, stats=Stats(prompt_tokens=len(req.ids)),
+                    hidden_log=[] if self.keep_hidden else None)
 
     # -- one step -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -222,7 +251,7 @@ class Engine:
         self._admit()
         if not self.active:
             return done
-        rec = StepRecord(rows=list(self.active), started=time.perf_counter())
+        rec = self._record()
         self._propose(rec)
         self._verify(rec)
         self._accept(rec)
@@ -239,6 +268,19 @@ class Engine:
         self.waiting = [q for q in self.waiting if not q.cancelled]
         self._leave([b for b, r in enumerate(self.active) if r.req.cancelled], "cancelled", done)
         return done
+
+    def _record(self) -> StepRecord:
+        """The step's decoding rows, and the prompt chunks reading rows take (within the chunk budget and the
+        cache's room above the write pointer)."""
+        where = [a for a, r in enumerate(self.active) if not r.reading]
+        rec = StepRecord(rows=[self.active[a] for a in where], started=time.perf_counter(), where=where)
+        budget = min(self.prefill_chunk, self.capacity - max(r.length for r in self.active))
+        for a, r in enumerate(self.active):
+            if r.reading and budget > 0:
+                n = min(r.unread, budget)
+                rec.chunks[a] = r.req.ids[r.length:r.length + n]
+                budget -= n
+        return rec
 
     def _propose(self, rec: StepRecord) -> None:
         """Each row's draft tree: the drafter's proposal within the policy's limit and the row's token budget,
@@ -265,11 +307,19 @@ class Engine:
         return tree
 
     def _verify(self, rec: StepRecord) -> None:
-        """One forward over every row's tree (packed where the backend can, else padded to N nodes)."""
+        """One forward over every row's tree and every prompt chunk (packed where the backend can, else padded
+        to N nodes)."""
         t0 = time.perf_counter()
-        rec.logits, rec.hidden, rec.first = verify_rows(
-            self.model, self.cache, rec.nodes, rec.shapes, [r.length for r in rec.rows], self.need_hidden,
+        nodes, shapes = [[] for _ in self.active], [shape_of(()) for _ in self.active]
+        for b, a in enumerate(rec.where):
+            nodes[a], shapes[a] = rec.nodes[b], rec.shapes[b]
+        for a, chunk in rec.chunks.items():
+            nodes[a], shapes[a] = chunk, shape_of(chain(len(chunk)))
+        rec.width = max(s.size for s in shapes)
+        rec.logits, rec.hidden, first = verify_rows(
+            self.model, self.cache, nodes, shapes, [r.length for r in self.active], self.need_hidden,
             self.packed, self.device, self.dtype)
+        rec.first = [first[a] for a in rec.where]
         self.forwards += 1
         self.last_verify_s, self.last_rows = time.perf_counter() - t0, len(rec.rows)
         charge(rec.rows, "verify_s", self.last_verify_s, share=False)
@@ -287,21 +337,31 @@ class Engine:
         charge(rec.rows, "accept_s", time.perf_counter() - t0)
 
     def _compact(self, rec: StepRecord) -> None:
-        """Every row's accepted path moves next to its prefix (one gather/scatter per layer for the batch)."""
-        B, N = len(rec.rows), max(s.size for s in rec.shapes)
-        W = max(r.length for r in rec.rows)
+        """Every row's accepted path, and every chunk read, moves next to its prefix (one gather/scatter per
+        layer for the batch); a row whose prompt is now all in the cache decodes from the next step."""
+        paths = [[] for _ in self.active]
+        for b, a in enumerate(rec.where):
+            paths[a] = rec.accepted[b].path
+        for a, chunk in rec.chunks.items():
+            paths[a] = list(range(len(chunk)))
+        B, N = len(self.active), rec.width
+        W = max(r.length for r in self.active)
         src = torch.full((B, N), W + N - 1, dtype=torch.long)
         dst = torch.full((B, N), W + N - 1, dtype=torch.long)
-        for b, (r, acc) in enumerate(zip(rec.rows, rec.accepted)):
-            k = len(acc.path)
-            src[b, :k] = W + torch.tensor(acc.path)
-            dst[b, :k] = r.length + torch.arange(k)
+        for a, (r, path) in enumerate(zip(self.active, paths)):
+            k = len(path)
+            src[a, :k] = W + torch.tensor(path, dtype=torch.long)
+            dst[a, :k] = r.length + torch.arange(k)
             r.length += k
         if not torch.equal(src, dst):  # a row's accepted chain may already sit where it belongs
             compact(self.cache, src.to(self.device), dst.to(self.device))
+        for a in rec.chunks:
+            if not self.active[a].unread:
+                self._done_reading(self.active[a])
 
     def _advance(self, rec: StepRecord) -> list[int]:
-        """Tokens, stop rules, hidden states and streaming hooks; returns the rows that finished."""
+        """Tokens, stop rules, hidden states and streaming hooks; returns the rows that finished (indices
+        into the engine's rows)."""
         finished = []
         for b, (r, acc) in enumerate(zip(rec.rows, rec.accepted)):
             emitted = self._emit(r, [rec.nodes[b][i] for i in acc.path[1:]] + [acc.next_token])
@@ -316,7 +376,7 @@ class Engine:
                 r.req.on_tokens(r.req, emitted)
             if r.done:
                 r.stats.wall_s = time.perf_counter() - r.t_start
-                finished.append(b)
+                finished.append(rec.where[b])
         return finished
 
     def _observe(self, rec: StepRecord) -> None:

@@ -56,19 +56,16 @@ def sliding_window(model) -> int | None:
 
 
 def check_length(model, n_prompt: int, max_new_tokens: int, what: str = "prompt") -> None:
-    """Refuse a prompt that, with its token budget, does not fit the model's context or sliding window."""
+    """Refuse a prompt that, with its token budget, does not fit the model's context."""
     if max_new_tokens <= 0:
         raise HydraspecError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if n_prompt <= 0:
         raise HydraspecError(f"{what} is empty")
     total = n_prompt + max_new_tokens
-    ctx, window = context_limit(model), sliding_window(model)
+    ctx = context_limit(model)
     if ctx and total > ctx:
         raise HydraspecError(f"{what} ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's context of {ctx} tokens")
-    if window and total > window:
-        raise HydraspecError(f"{what} + max_new_tokens ({total}) exceeds the model's sliding window "
-                             f"({window}); tree attention over a sliding window is not supported")
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import backend
-from .cache import cache_kwargs, set_length, set_packing
+from .cache import cache_kwargs, set_length, set_packing, text_config
 from .errors import HydraspecError
 
 _NO_4D_MASK = ("flash_attention_2", "flash_attention_3", "flex_attention")
@@ -52,6 +52,9 @@ def forward_nodes(model, cache, ids: torch.Tensor, positions: torch.Tensor, ance
     mask = None
     if ancestors is not None:
         mask = tree_mask(prefix_len, ancestors, model.dtype, model.device)
+        # keys: the prefix at their slots, the tree part no older than the prefix's end (never out of a window)
+        keys = torch.arange(mask.shape[-1]).clamp(max=prefix_len)
+        mask = with_window(model, mask, positions[None], keys[None])
     out = model(
         input_ids=ids[None],
         position_ids=positions[None],
@@ -64,6 +67,28 @@ def forward_nodes(model, cache, ids: torch.Tensor, positions: torch.Tensor, ance
     logits = out.logits[0].float()
     hidden = out.hidden_states[-1][0] if want_hidden else None
     return logits, hidden
+
+
+def with_window(model, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The attention mask(s) the model's forward takes for the 4D additive ``mask`` [B, 1, Q, K] whose queries
+    and keys sit at positions ``q_pos`` [B, Q] and ``k_pos`` [B, K]. Where layers attend within a sliding window
+    (Mistral, Phi-3: every layer; Qwen2/3, Gemma 2/3: the layers of type "sliding_attention"), a key more than
+    the window behind its query is hidden from those layers, as transformers' own masks do: one mask where every
+    layer slides, else one per layer type. Elsewhere ``mask`` itself."""
+    cfg = text_config(model)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return mask
+    far = k_pos.to(mask.device)[:, None, :] <= q_pos.to(mask.device)[:, :, None] - window  # [B, Q, K]
+    slid = mask.masked_fill(far[:, None], torch.finfo(mask.dtype).min)
+    return slid if types is None else {"full_attention": mask, "sliding_attention": slid}
+
+
+def ragged_positions(lengths: list[int], W: int, q_pos: torch.Tensor) -> torch.Tensor:
+    """[B, W + N] key positions of a ragged forward: slot j < W holds position j (a row's cache is left-aligned;
+    its gap is masked anyway), slot W + i the new node i (``q_pos`` [B, N])."""
+    return torch.cat([torch.arange(W).expand(len(lengths), W), q_pos], dim=1)
 
 
 def ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -105,6 +130,8 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
         sizes = [s.size for s in shapes]
         padding = torch.arange(N) >= torch.tensor(sizes)[:, None]  # [B, N]: no token sits there
         mask.masked_fill_(padding.to(dev)[:, None, :, None], torch.finfo(mask.dtype).min)  # so it sees nothing
+        q_pos = torch.tensor(lengths)[:, None] + torch.stack([_padded_depth(s, N) for s in shapes])
+        masks = with_window(model, mask, q_pos, ragged_positions(lengths, W, q_pos))
         offsets = torch.tensor([0] + sizes).cumsum(0).tolist()
         rows = torch.repeat_interleave(torch.arange(B), torch.tensor(sizes))
         slots = torch.cat([torch.arange(n) for n in sizes])
@@ -112,7 +139,7 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
         pos = torch.cat([lengths[b] + s.depth for b, s in enumerate(shapes)])[None]
         set_packing(cache, rows.to(dev), slots.to(dev), N)
         try:
-            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=masks,
                         **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden,
                         **{keyword: (rows * N + slots).to(dev)})
         finally:
@@ -125,9 +152,17 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
             ids[b, :shape.size] = torch.tensor(row)
             pos[b, :shape.size] = lengths[b] + shape.depth
             pos[b, shape.size:] = lengths[b]
-        out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
+        masks = with_window(model, mask, pos, ragged_positions(lengths, W, pos))
+        out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=masks,
                     **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden)
         first = [b * N for b in range(B)]
     logits = out.logits.float().flatten(0, 1)
     hidden = out.hidden_states[-1].flatten(0, 1) if want_hidden else None
     return logits, hidden, first
+
+
+def _padded_depth(shape, n: int) -> torch.Tensor:
+    """The shape's node depths, padded with 0 to ``n`` entries."""
+    d = torch.zeros(n, dtype=torch.long)
+    d[:shape.size] = shape.depth
+    return d

@@ -91,6 +91,10 @@ def add_parser(subparsers):
     p.add_argument("--llamacpp-args", metavar="'ARGS'",
                    help="extra llama-server arguments for the llamacpp-* methods, one shell-quoted string "
                         "(e.g. '--spec-draft-n-max 16 --spec-draft-p-min 0.8')")
+    p.add_argument("--prefix-cache", type=int, default=0, metavar="TOKENS",
+                   help="keep earlier turns' keys and values (up to TOKENS tokens per method), so a later turn "
+                        "reads only its new tokens, as a chat server does: our engine's prefix cache, and "
+                        "llama-server's prompt cache for the llamacpp-* methods (default 0: every turn read whole)")
     add_verify_budget_arg(p)
     p.set_defaults(func=_cmd)
     return p

@@ -96,15 +96,15 @@ def uses_draft(kind: str) -> bool:
 
 
 def server_command(binary, model: str, threads: int, port: int, kind: str, draft: str | None = None,
-                   extra: str | None = None) -> list[str]:
+                   extra: str | None = None, cache: bool = False) -> list[str]:
     """The llama-server command line of one method kind (see SPEC_TYPES): 'ar' (no speculation), 'draft'
     (--spec-type draft-simple with the draft model and llama.cpp's default draft settings), an n-gram type
     ('ngram-simple', 'ngram-mod', ... at their defaults; 'ngram' = 'ngram-simple'), or an n-gram type
-    chained with the draft model ('ngram-mod+draft'). One slot, no prompt cache, `extra` (a shell-quoted
-    string) appended."""
+    chained with the draft model ('ngram-mod+draft'). One slot, no prompt cache unless ``cache``, `extra` (a
+    shell-quoted string) appended."""
     types = spec_types(kind)
     cmd = [str(binary), "-m", model, "-t", str(threads), "-tb", str(threads), "-c", "8192", "-np", "1",
-           "--no-cache-prompt", "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+           *([] if cache else ["--no-cache-prompt"]), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     if "draft-simple" in types:
         if not draft:
             raise HydraspecError(f"method 'llamacpp-{kind}' needs --draft-model")
@@ -114,9 +114,10 @@ def server_command(binary, model: str, threads: int, port: int, kind: str, draft
     return cmd + shlex.split(extra or "")
 
 
-def request_body(ids: list[int], max_new_tokens: int, temperature: float, seed: int | None) -> dict:
+def request_body(ids: list[int], max_new_tokens: int, temperature: float, seed: int | None,
+                 cache: bool = False) -> dict:
     body = {"prompt": list(map(int, ids)), "n_predict": int(max_new_tokens), "return_tokens": True,
-            "cache_prompt": False, "stream": False, "repeat_penalty": 1.0}
+            "cache_prompt": cache, "stream": False, "repeat_penalty": 1.0}
     if temperature > 0:
         body.update(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
                     samplers=["temperature", "dist"], seed=-1 if seed is None else int(seed))
@@ -235,7 +236,9 @@ class LlamaCppRunner(Runner):
         model = str(gguf_file(a.model))
         draft = str(gguf_file(a.draft_model)) if uses_draft(kind) else None
         threads = torch.get_num_threads()  # the bench's own (bench/runner.py sets it)
-        cmd = server_command(server_binary(), model, threads, 0, kind, draft, getattr(a, "llamacpp_args", None))
+        self.cache = bool(getattr(a, "prefix_cache", 0))  # its prompt cache where ours runs
+        cmd = server_command(server_binary(), model, threads, 0, kind, draft, getattr(a, "llamacpp_args", None),
+                             self.cache)
         self.server = LlamaServer(cmd, Path(a.out) / f"llamacpp-{kind}.log")
         if spec_types(kind):
             try:
@@ -246,7 +249,7 @@ class LlamaCppRunner(Runner):
         self.tok, self.eos = ctx.tokenizer, sorted(ctx.eos)
 
     def generate(self, ids, max_new_tokens, temperature, seed):
-        body = request_body(ids, max_new_tokens, temperature, seed)
+        body = request_body(ids, max_new_tokens, temperature, seed, self.cache)
         t0 = time.perf_counter()
         reply = self.server.complete(body)
         wall = time.perf_counter() - t0

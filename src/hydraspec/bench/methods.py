@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import HydraspecError
+from ..prefix_pool import PrefixPool
 
 
 @dataclass
@@ -31,6 +32,7 @@ class TurnResult:
     accept_s: float | None = None
     drafted: int | None = None  # draft tokens proposed (llama.cpp's server reports them); None: not reported
     draft_accepted: int | None = None  # of those, accepted by the target
+    cached_tokens: int | None = None  # prompt tokens taken from a prefix cache (--prefix-cache)
 
     @property
     def new_tokens(self) -> int:
@@ -138,6 +140,8 @@ def parse_methods(text) -> list[str]:
 def method_settings(name: str, args) -> dict:
     spec = METHODS[name]
     s = {k: getattr(args, k, None) for k in spec.settings}
+    if getattr(args, "prefix_cache", 0) and not name.startswith(("hf-", "ov-")):  # where it applies
+        s["prefix_cache"] = args.prefix_cache
     if spec.tree is not None:
         s.update(variant_args(name.partition("@")[0], spec.tree))
     # dynamic-tree sizes only matter with --tree dynamic, and a draft chain has no tree: leaving them out
@@ -165,6 +169,8 @@ class EngineRunner(Runner):
         from ..generator import SpeculativeGenerator
 
         self.gen = SpeculativeGenerator(ctx.model, ctx.tokenizer, drafter=drafter)
+        if getattr(ctx.args, "prefix_cache", 0):  # earlier turns' keys and values, this method's own
+            self.gen.batch.prefix_pool = PrefixPool(ctx.args.prefix_cache)
         self.device = ctx.model.device
 
     def generate(self, ids, max_new_tokens, temperature, seed, prediction=None):
@@ -178,7 +184,7 @@ class EngineRunner(Runner):
         return TurnResult(token_ids=list(res.token_ids), text=res.text, finish_reason=res.finish_reason, wall_s=wall,
                           prompt_tokens=len(ids), target_forwards=s.target_forwards, mean_accepted=s.mean_accepted,
                           accept_hist=list(s.accept_hist), prefill_s=s.prefill_s, draft_s=s.draft_s,
-                          verify_s=s.verify_s, accept_s=s.accept_s)
+                          verify_s=s.verify_s, accept_s=s.accept_s, cached_tokens=s.counters.get("cached_tokens", 0))
 
 
 def _engine(method: str):

@@ -3,13 +3,16 @@ from N concurrent clients over a prompt file; report throughput, time to first t
 latency (p50 / p99) per concurrency, as JSON, a markdown table and a plot.
 
 Each client sends streamed chat requests (greedy, ``max_tokens`` fixed) one after another, taking the
-next prompt of a shared list; the run at concurrency N ends when every prompt has been answered. Tokens
-are counted from the final ``usage`` when the server sends it (``stream_options.include_usage``), else
-one per content chunk.
+next conversation of a shared list; the run at concurrency N ends when every conversation has been
+answered. With ``--turns N`` a conversation's turns go in order, each request re-sending the conversation
+so far with the server's own answers, as chat clients do; the time to first token of later turns is
+reported apart (what a prefix cache shortens). Tokens are counted from the final ``usage`` when the server
+sends it (``stream_options.include_usage``), else one per content chunk.
 """
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 import urllib.error
@@ -28,16 +31,17 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[i]
 
 
-def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str | None, timeout: float) -> dict:
-    """One streamed chat request: {"tokens", "ttft_s", "itl_s": [...], "wall_s"}."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+def one_request(url: str, model: str, messages: list[dict], max_tokens: int, api_key: str | None,
+                timeout: float) -> dict:
+    """One streamed chat request: {"tokens", "ttft_s", "itl_s": [...], "wall_s", "text"}."""
+    body = json.dumps({"model": model, "messages": messages, "temperature": 0,
                        "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}})
     headers = {"content-type": "application/json"}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=body.encode(), headers=headers)
     t0 = time.perf_counter()
-    times, usage = [], None
+    times, usage, text = [], None, []
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             for raw in resp:
@@ -53,6 +57,7 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str
                 for ch in obj.get("choices") or []:
                     if (ch.get("delta") or {}).get("content"):
                         times.append(time.perf_counter())
+                        text.append(ch["delta"]["content"])
     except urllib.error.HTTPError as e:
         raise HydraspecError(f"the server answered {e.code}: {e.read()[:300].decode('utf-8', 'replace')}") from None
     except urllib.error.URLError as e:
@@ -60,11 +65,23 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int, api_key: str
     end = time.perf_counter()
     tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") is not None else len(times)
     return {"tokens": tokens, "ttft_s": (times[0] - t0) if times else end - t0,
-            "itl_s": [b - a for a, b in zip(times, times[1:])], "wall_s": end - t0}
+            "itl_s": [b - a for a, b in zip(times, times[1:])], "wall_s": end - t0, "text": "".join(text)}
 
 
-def run_level(url, model, prompts, concurrency, max_tokens, api_key=None, timeout=600.0) -> dict:
-    todo = list(enumerate(prompts))
+def converse(url, model, turns: list[str], max_tokens, api_key, timeout) -> list[dict]:
+    """A conversation's turns in order, each request carrying the conversation so far; one result a turn."""
+    messages, out = [], []
+    for t, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        r = one_request(url, model, messages, max_tokens, api_key, timeout)
+        messages.append({"role": "assistant", "content": r["text"]})
+        out.append({**r, "turn": t})
+    return out
+
+
+def run_level(url, model, convs: list[list[str]], concurrency, max_tokens, api_key=None, timeout=600.0) -> dict:
+    """Every conversation (its user turns) answered by ``concurrency`` clients; throughput and latency."""
+    todo = list(enumerate(convs))
     lock = threading.Lock()
     results, errors = [], []
 
@@ -73,14 +90,14 @@ def run_level(url, model, prompts, concurrency, max_tokens, api_key=None, timeou
             with lock:
                 if not todo:
                     return
-                _, p = todo.pop(0)
+                _, turns = todo.pop(0)
             try:
-                r = one_request(url, model, p, max_tokens, api_key, timeout)
+                r = converse(url, model, turns, max_tokens, api_key, timeout)
             except HydraspecError as e:
                 errors.append(str(e))
                 return
             with lock:
-                results.append(r)
+                results.extend(r)
     t0 = time.perf_counter()
     ths = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in ths:
@@ -90,21 +107,63 @@ def run_level(url, model, prompts, concurrency, max_tokens, api_key=None, timeou
     wall = time.perf_counter() - t0
     if errors:
         raise HydraspecError(errors[0])
+    return summarize(results, concurrency, wall)
+
+
+def run_open(url, model, convs: list[list[str]], rate: float, max_tokens, api_key=None, timeout=600.0,
+             seed: int = 0) -> dict:
+    """Open loop: conversations arrive as a Poisson process of ``rate`` per second (exponential gaps, seeded),
+    each on a client of its own, however many are still waiting; throughput and latency."""
+    gaps = random.Random(seed)
+    results, errors, lock, threads = [], [], threading.Lock(), []
+
+    def client(turns):
+        try:
+            r = converse(url, model, turns, max_tokens, api_key, timeout)
+        except HydraspecError as e:
+            errors.append(str(e))
+            return
+        with lock:
+            results.extend(r)
+    t0 = time.perf_counter()
+    for turns in convs:
+        th = threading.Thread(target=client, args=(turns,))
+        th.start()
+        threads.append(th)
+        time.sleep(gaps.expovariate(rate))
+    for th in threads:
+        th.join()
+    if errors:
+        raise HydraspecError(errors[0])
+    return summarize(results, f"{rate:g}/s", time.perf_counter() - t0)
+
+
+def summarize(results: list[dict], concurrency, wall: float) -> dict:
     itl = [x for r in results for x in r["itl_s"]]
     ttft = [r["ttft_s"] for r in results]
+    later = [r["ttft_s"] for r in results if r.get("turn", 0) > 0]
     tokens = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
-            "ttft_p50_s": round(_percentile(ttft, 50), 4), "ttft_p99_s": round(_percentile(ttft, 99), 4),
-            "itl_p50_ms": round(_percentile(itl, 50) * 1e3, 2), "itl_p99_ms": round(_percentile(itl, 99) * 1e3, 2)}
+    row = {"concurrency": concurrency, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
+           "tokens_per_s": round(tokens / wall, 3) if wall > 0 else 0.0,
+           "ttft_p50_s": round(_percentile(ttft, 50), 4), "ttft_p99_s": round(_percentile(ttft, 99), 4),
+           "itl_p50_ms": round(_percentile(itl, 50) * 1e3, 2), "itl_p99_ms": round(_percentile(itl, 99) * 1e3, 2)}
+    if later:
+        row["later_ttft_p50_s"] = round(_percentile(later, 50), 4)
+        row["later_ttft_p99_s"] = round(_percentile(later, 99), 4)
+    return row
 
 
 def table(rows: list[dict], label: str) -> str:
-    out = [f"| {label} concurrency | requests | tokens | tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |",
-           "|---:|---:|---:|---:|---:|---:|"]
+    later = any("later_ttft_p50_s" in r for r in rows)
+    out = [f"| {label} concurrency | requests | tokens | tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |"
+           + (" later turns' TTFT p50 / p99 (s) |" if later else ""),
+           "|---:|---:|---:|---:|---:|---:|" + ("---:|" if later else "")]
     for r in rows:
-        out.append(f"| {r['concurrency']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.2f} | "
-                   f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
+        line = (f"| {r['concurrency']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.2f} | "
+                f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
+        if later:
+            line += f" {r.get('later_ttft_p50_s', 0):.2f} / {r.get('later_ttft_p99_s', 0):.2f} |"
+        out.append(line)
     return "\n".join(out)
 
 
@@ -116,11 +175,15 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for label, rows in runs.items():
+        rows = [r for r in rows if isinstance(r["concurrency"], int)]  # open-loop runs are in the table only
         c = [r["concurrency"] for r in rows]
         ax[0].plot(c, [r["tokens_per_s"] for r in rows], marker="o", label=label)
-        ax[1].plot(c, [r["itl_p50_ms"] for r in rows], marker="o", label=label)
+        line, = ax[1].plot(c, [r["itl_p50_ms"] for r in rows], marker="o", label=f"{label} p50")
+        ax[1].plot(c, [r["itl_p99_ms"] for r in rows], marker="x", ls="--", color=line.get_color(),
+                   label=f"{label} p99")
     ax[0].set(xlabel="concurrent clients", ylabel="tokens/s (all clients)", xscale="log", title="Throughput")
-    ax[1].set(xlabel="concurrent clients", ylabel="inter-token latency p50 (ms)", xscale="log", title="Latency")
+    ax[1].set(xlabel="concurrent clients", ylabel="inter-token latency (ms)", xscale="log", yscale="log",
+              title="Latency")
     for a in ax:
         a.grid(alpha=0.3)
         a.legend()
@@ -131,22 +194,25 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
 
 def run_bench_serve(args) -> int:
     qs = load_questions(args.prompts, limit=args.limit, skip=args.skip)
-    prompts = [q.turns[0] for q in qs]
+    prompts = [list(q.turns[:max(1, args.turns)]) for q in qs]
     if not prompts:
         raise HydraspecError("no prompts selected")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if not levels or any(n < 1 for n in levels):
         raise HydraspecError(f"--concurrency takes positive integers, got {args.concurrency!r}")
+    if args.rate is not None and args.rate <= 0:
+        raise HydraspecError(f"--rate takes a positive number of conversations per second, got {args.rate}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = out / "serve_results.json"
     runs = json.loads(store.read_text()) if store.exists() else {}
     label = args.label or args.url
     rows = []
-    for n in levels:
-        r = run_level(args.url, args.model, prompts, n, args.max_tokens, args.api_key)
+    for n in levels if args.rate is None else [args.rate]:
+        r = run_level(args.url, args.model, prompts, n, args.max_tokens, args.api_key) if args.rate is None else \
+            run_open(args.url, args.model, prompts, args.rate, args.max_tokens, args.api_key)
         rows.append(r)
-        print(f"[{label}] concurrency {n}: {r['tokens_per_s']:.2f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
+        print(f"[{label}] concurrency {r['concurrency']}: {r['tokens_per_s']:.2f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
               f"ITL p50 {r['itl_p50_ms']:.1f} ms", flush=True)
     runs[label] = rows
     store.write_text(json.dumps(runs, indent=1))
@@ -166,6 +232,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--skip", type=int, default=0, help="leave out the first N questions per category")
     p.add_argument("--concurrency", default="1,2,4,8", help="client counts, one run each (default 1,2,4,8)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rate", type=float, default=None, metavar="R",
+                   help="open loop instead of --concurrency: conversations arrive at R per second (Poisson), "
+                        "each on a client of its own")
+    p.add_argument("--turns", type=int, default=1, help="turns of each conversation, in order, each request "
+                                                         "re-sending the conversation so far (default 1)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default=None, help="name of this server's runs in the results (default: the URL)")
     p.add_argument("--out", required=True, help="directory; runs of several servers accumulate there")

@@ -133,6 +133,10 @@ def compile_steps(model: torch.nn.Module) -> str | None:
     bad = _untraceable(model)
     if bad is not None:
         return f"compiled steps cannot trace {bad} modules"
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "sliding_window", None) and "sliding_attention" in (getattr(cfg, "layer_types", None) or
+                                                                        ["sliding_attention"]):
+        return "compiled steps build a plain causal mask: models with sliding-window layers run eagerly"
     for m in model.modules():
         if isinstance(m, GGUFLinear):
             m.call_tensor()

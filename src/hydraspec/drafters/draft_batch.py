@@ -18,7 +18,7 @@ import torch
 from ..cache import allocate_rows, cache_kwargs, compact, copy_rows, new_cache, prefill_rows, select_rows, set_length, use_rows
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, chain
-from ..verify import ragged_mask
+from ..verify import ragged_mask, ragged_positions, with_window
 from .base import DecodeState, Verdict, capacity_of, next_length
 
 
@@ -93,7 +93,9 @@ class DraftBatch:
                 src[b, :c] = W + torch.arange(c)
                 dst[b, :c] = r.length + torch.arange(c)
         set_length(self.cache, W)
-        mask = ragged_mask([r.length for r in rows], W, tree_allowed, self.model.dtype, dev)
+        lengths = [r.length for r in rows]
+        mask = ragged_mask(lengths, W, tree_allowed, self.model.dtype, dev)
+        mask = with_window(self.model, mask, pos, ragged_positions(lengths, W, pos))
         out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
                          use_cache=True, **cache_kwargs(self.model, self.cache))
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)

@@ -24,9 +24,11 @@ log = logging.getLogger("hydraspec.serve")
 
 def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max_context: int | None = None,
                  max_queue: int = 64, api_key: str | None = None, adaptive: bool = True, say=print,
-                 start_worker: bool = True, prefix_tokens: int = 0):
+                 start_worker: bool = True, prefix_tokens: int = 0, prefill_chunk: int = 0):
     """The FastAPI app and its worker for generator ``bg`` (model, tokenizer, drafter, acceptor).
-    prefix_tokens: the prefix cache across requests holds up to this many tokens (0: none)."""
+    prefix_tokens: the prefix cache across requests holds up to this many tokens (0: none). prefill_chunk:
+    while rows decode, a new request's prompt is read this many tokens a step inside their forwards (0: whole,
+    at once)."""
     if max_batch < 1:
         raise HydraspecError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 0:
@@ -47,8 +49,11 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         bg.prefix_pool = PrefixPool(prefix_tokens)
         say(f"prefix cache: up to {prefix_tokens} tokens ({gib(prefix_tokens * bytes_per_token(bg.model))}) of "
             "earlier prompts and answers")
+    bg.prefill_chunk = prefill_chunk
     rule = bg.policy(serving=True)
     engine = bg.engine(max_batch, capacity, policy=rule)
+    if prefill_chunk and not engine.prefill_chunk:
+        say("prompts are read whole when they join (chunked prefill needs packed rows: the CPU backend)")
     if isinstance(rule, AdaptiveDraft):
         say(f"adaptive speculation: {rule.describe()}")
     say(f"KV cache: {max_batch} rows x {capacity} slots = {gib(cache_bytes(bg.model, max_batch, capacity))} "

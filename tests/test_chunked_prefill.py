@@ -1,0 +1,77 @@
+"""Chunked prefill: a request that joins while others decode reads its prompt a chunk a step inside their
+forwards; the running rows keep advancing and every answer is the one decoded alone."""
+import pytest
+import torch
+
+import tiny
+from hydraspec import SpeculativeGenerator
+from hydraspec.drafters import make_auto, make_drafter
+from hydraspec.engine import Engine, Request
+from hydraspec.inputs import eos_ids
+from hydraspec.prefix_pool import PrefixPool
+
+N = 16
+
+
+def model():
+    return tiny.cached_model("llama", "hydraspec_cpu", 5, max_pos=2400)
+
+
+def drafter(method, m):
+    return make_auto(m) if method == "auto" else make_drafter(method)
+
+
+def alone(m, tok, method, prompt, n=N):
+    return SpeculativeGenerator(m, tok, drafter(method, m)).generate(input_ids=prompt, max_new_tokens=n).token_ids
+
+
+def prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, tiny.VOCAB, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "auto"])
+def test_requests_joining_mid_stream_read_in_chunks_and_answer_as_alone(tok, method):
+    m = model()
+    engine = Engine(m, tok, drafter(method, m), eos_ids(m, tok), rows=4, capacity=2100, prefill_chunk=64)
+    steps = []  # one entry per step in which the first request got tokens
+    first = Request(prompt(12, 0), 48, on_tokens=lambda req, ids: steps.append(len(ids)))
+    engine.add(first)
+    engine.step()
+    engine.step()
+    joining = [Request(prompt(n, n), N) for n in (1, 150, 2000)]
+    for r in joining:
+        engine.add(r)
+    read_steps = 0
+    while engine.busy:
+        reading, running, before = any(r.reading for r in engine.active), first.result is None, len(steps)
+        engine.step()
+        if reading and running:
+            read_steps += 1
+            assert len(steps) == before + 1  # the running row advanced in this step too
+    for r in [first] + joining:
+        assert r.result.token_ids == alone(m, tok, method, r.ids, r.max_new_tokens)
+    if engine.prefill_chunk:  # packed rows (the CPU backend's attention): the prompts were read in chunks
+        assert read_steps >= 3  # the 150-token prompt alone takes three chunks
+    else:
+        assert read_steps == 0
+
+
+def test_a_chunked_prompt_after_a_cache_hit_reads_only_the_rest(tok):
+    m = model()
+    engine = Engine(m, tok, None, eos_ids(m, tok), rows=2, capacity=600, prefill_chunk=8,
+                    prefix_pool=PrefixPool(2000))
+    base = prompt(40, 7)
+    engine.add(Request(base, N))
+    while engine.busy:
+        engine.step()
+    running, follow = Request(prompt(10, 8), 40), Request(base + prompt(30, 9), N)
+    engine.add(running)
+    engine.step()
+    engine.add(follow)
+    while engine.busy:
+        engine.step()
+    assert follow.result.stats.counters["cached_tokens"] == 40
+    assert follow.result.token_ids == alone(m, tok, "ar", follow.ids)
+    assert running.result.token_ids == SpeculativeGenerator(m, tok).generate(input_ids=running.ids,
+                                                                              max_new_tokens=40).token_ids
