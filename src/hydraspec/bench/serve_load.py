@@ -79,63 +79,65 @@ def converse(url, model, turns: list[str], max_tokens, api_key, timeout) -> list
     return out
 
 
+class Outcomes:
+    """What the clients of one run collect: every turn's result, and the first errors."""
+
+    def __init__(self):
+        self.results, self.errors, self.lock = [], [], threading.Lock()
+
+    def converse(self, url, model, turns, max_tokens, api_key, timeout) -> bool:
+        """One conversation, its results kept; False (the error kept) when a request failed."""
+        try:
+            r = converse(url, model, turns, max_tokens, api_key, timeout)
+        except HydraspecError as e:
+            self.errors.append(str(e))
+            return False
+        with self.lock:
+            self.results.extend(r)
+        return True
+
+    def summary(self, concurrency, wall: float) -> dict:
+        if self.errors:
+            raise HydraspecError(self.errors[0])
+        return summarize(self.results, concurrency, wall)
+
+
 def run_level(url, model, convs: list[list[str]], concurrency, max_tokens, api_key=None, timeout=600.0) -> dict:
     """Every conversation (its user turns) answered by ``concurrency`` clients; throughput and latency."""
-    todo = list(enumerate(convs))
-    lock = threading.Lock()
-    results, errors = [], []
+    todo = list(convs)
+    got = Outcomes()
 
     def client():
         while True:
-            with lock:
+            with got.lock:
                 if not todo:
                     return
-                _, turns = todo.pop(0)
-            try:
-                r = converse(url, model, turns, max_tokens, api_key, timeout)
-            except HydraspecError as e:
-                errors.append(str(e))
+                turns = todo.pop(0)
+            if not got.converse(url, model, turns, max_tokens, api_key, timeout):
                 return
-            with lock:
-                results.extend(r)
     t0 = time.perf_counter()
     ths = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in ths:
         t.start()
     for t in ths:
         t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise HydraspecError(errors[0])
-    return summarize(results, concurrency, wall)
+    return got.summary(concurrency, time.perf_counter() - t0)
 
 
 def run_open(url, model, convs: list[list[str]], rate: float, max_tokens, api_key=None, timeout=600.0,
              seed: int = 0) -> dict:
     """Open loop: conversations arrive as a Poisson process of ``rate`` per second (exponential gaps, seeded),
     each on a client of its own, however many are still waiting; throughput and latency."""
-    gaps = random.Random(seed)
-    results, errors, lock, threads = [], [], threading.Lock(), []
-
-    def client(turns):
-        try:
-            r = converse(url, model, turns, max_tokens, api_key, timeout)
-        except HydraspecError as e:
-            errors.append(str(e))
-            return
-        with lock:
-            results.extend(r)
+    gaps, got, threads = random.Random(seed), Outcomes(), []
     t0 = time.perf_counter()
     for turns in convs:
-        th = threading.Thread(target=client, args=(turns,))
+        th = threading.Thread(target=got.converse, args=(url, model, turns, max_tokens, api_key, timeout))
         th.start()
         threads.append(th)
         time.sleep(gaps.expovariate(rate))
     for th in threads:
         th.join()
-    if errors:
-        raise HydraspecError(errors[0])
-    return summarize(results, f"{rate:g}/s", time.perf_counter() - t0)
+    return got.summary(f"{rate:g}/s", time.perf_counter() - t0)
 
 
 def summarize(results: list[dict], concurrency, wall: float) -> dict:
