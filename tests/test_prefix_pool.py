@@ -7,7 +7,8 @@ import tiny
 from hydraspec.batch import BatchGenerator
 from hydraspec.cache import new_cache, allocate_rows, read_row, write_row
 from hydraspec.drafters import make_auto, make_drafter
-from hydraspec.prefix_pool import PrefixPool, bytes_per_token
+from hydraspec.memory import kv_bytes_per_slot
+from hydraspec.prefix_pool import PrefixPool
 
 N = 20
 FIRST = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 11, 12, 13, 14]
@@ -55,13 +56,18 @@ def test_a_cache_hit_with_several_rows_leaves_every_answer_unchanged(tok):
     assert together[2].stats.counters.get("cached_tokens", 0) == 12  # a shared beginning of another entry
 
 
-def test_the_pool_stays_within_its_tokens_and_drops_the_least_recently_used(tok):
-    model = tiny.cached_model("llama", "sdpa", 3)
-    cache = new_cache(model, 64)
-    allocate_rows(cache, model, 1)
+def random_cache(model, slots: int, rows: int):
+    cache = new_cache(model, slots)
+    allocate_rows(cache, model, rows)
     for layer in cache.layers:
         layer.full_k.normal_()
         layer.full_v.normal_()
+    return cache
+
+
+def test_the_pool_stays_within_its_tokens_and_drops_the_least_recently_used(tok):
+    model = tiny.cached_model("llama", "sdpa", 3)
+    cache = random_cache(model, 64, 1)
     pool = PrefixPool(max_tokens=30, min_hit=4)
     a, b, c = list(range(10, 22)), list(range(40, 52)), list(range(60, 72))
     pool.store(cache, 0, a)
@@ -80,11 +86,7 @@ def test_the_pool_stays_within_its_tokens_and_drops_the_least_recently_used(tok)
 
 def test_a_loaded_prefix_is_the_stored_keys_and_values(tok):
     model = tiny.cached_model("llama", "sdpa", 3)
-    cache = new_cache(model, 32)
-    allocate_rows(cache, model, 2)
-    for layer in cache.layers:
-        layer.full_k.normal_()
-        layer.full_v.normal_()
+    cache = random_cache(model, 32, 2)
     kept = [(k.clone(), v.clone()) for k, v in read_row(cache, 1, 10)]
     pool = PrefixPool(100)
     pool.store(cache, 1, list(range(10)))
@@ -92,4 +94,4 @@ def test_a_loaded_prefix_is_the_stored_keys_and_values(tok):
     assert pool.load(cache, 0, list(range(10)) + [50, 51]) == 10
     for (k, v), (k2, v2) in zip(kept, read_row(cache, 0, 10)):
         assert torch.equal(k, k2) and torch.equal(v, v2)
-    assert bytes_per_token(model) == 2 * 2 * 2 * 12 * 4  # layers x (k, v) x kv heads x head dim x float32
+    assert kv_bytes_per_slot(model) == 2 * 2 * 2 * 12 * 4  # layers x (k, v) x kv heads x head dim x float32

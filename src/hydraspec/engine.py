@@ -274,6 +274,8 @@ class Engine:
         cache's room above the write pointer)."""
         where = [a for a, r in enumerate(self.active) if not r.reading]
         rec = StepRecord(rows=[self.active[a] for a in where], started=time.perf_counter(), where=where)
+        if len(where) == len(self.active):  # no row is reading its prompt
+            return rec
         budget = min(self.prefill_chunk, self.capacity - max(r.length for r in self.active))
         for a, r in enumerate(self.active):
             if r.reading and budget > 0:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import read_row, text_config, write_row
+from .cache import read_row, write_row
 
-__all__ = ["PrefixPool", "bytes_per_token"]
+__all__ = ["PrefixPool"]
 
 
 @dataclass
@@ -83,10 +83,3 @@ class PrefixPool:
     def _drop(self, key: int) -> None:
         self.tokens -= len(self.entries.pop(key).ids)
 
-
-def bytes_per_token(model) -> int:
-    """Bytes of keys and values one token takes in the pool, for the model's cache dtype."""
-    cfg = text_config(model)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.finfo(model.dtype).bits // 8

@@ -53,8 +53,8 @@ def forward_nodes(model, cache, ids: torch.Tensor, positions: torch.Tensor, ance
     if ancestors is not None:
         mask = tree_mask(prefix_len, ancestors, model.dtype, model.device)
         # keys: the prefix at their slots, the tree part no older than the prefix's end (never out of a window)
-        keys = torch.arange(mask.shape[-1]).clamp(max=prefix_len)
-        mask = with_window(model, mask, positions[None], keys[None])
+        mask = with_window(model, mask, lambda: (positions[None],
+                                                  torch.arange(mask.shape[-1]).clamp(max=prefix_len)[None]))
     out = model(
         input_ids=ids[None],
         position_ids=positions[None],
@@ -69,20 +69,30 @@ def forward_nodes(model, cache, ids: torch.Tensor, positions: torch.Tensor, ance
     return logits, hidden
 
 
-def with_window(model, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
-    """The attention mask(s) the model's forward takes for the 4D additive ``mask`` [B, 1, Q, K] whose queries
-    and keys sit at positions ``q_pos`` [B, Q] and ``k_pos`` [B, K]. Where layers attend within a sliding window
-    (Mistral, Phi-3: every layer; Qwen2/3, Gemma 2/3: the layers of type "sliding_attention"), a key more than
-    the window behind its query is hidden from those layers, as transformers' own masks do: one mask where every
-    layer slides, else one per layer type. Elsewhere ``mask`` itself."""
+def window_of(model) -> tuple[int, bool] | None:
+    """(sliding window, whether layers differ by type) where some layers attend within a window (Mistral, Phi-3:
+    every layer; Qwen2/3, Gemma 2/3: the layers of type "sliding_attention"), else None."""
     cfg = text_config(model)
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if not window or (types is not None and "sliding_attention" not in types):
+        return None
+    return window, types is not None
+
+
+def with_window(model, mask: torch.Tensor, positions):
+    """The attention mask(s) the model's forward takes for the 4D additive ``mask`` [B, 1, Q, K]. Where layers
+    slide (:func:`window_of`), a key more than the window behind its query is hidden from those layers, as
+    transformers' own masks do: one mask where every layer slides, else one per layer type; elsewhere ``mask``
+    itself. ``positions()`` -> (query positions [B, Q], key positions [B, K]), called only where a window is."""
+    slides = window_of(model)
+    if slides is None:
         return mask
+    window, per_type = slides
+    q_pos, k_pos = positions()
     far = k_pos.to(mask.device)[:, None, :] <= q_pos.to(mask.device)[:, :, None] - window  # [B, Q, K]
     slid = mask.masked_fill(far[:, None], torch.finfo(mask.dtype).min)
-    return slid if types is None else {"full_attention": mask, "sliding_attention": slid}
+    return {"full_attention": mask, "sliding_attention": slid} if per_type else slid
 
 
 def ragged_positions(lengths: list[int], W: int, q_pos: torch.Tensor) -> torch.Tensor:
@@ -130,8 +140,7 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
         sizes = [s.size for s in shapes]
         padding = torch.arange(N) >= torch.tensor(sizes)[:, None]  # [B, N]: no token sits there
         mask.masked_fill_(padding.to(dev)[:, None, :, None], torch.finfo(mask.dtype).min)  # so it sees nothing
-        q_pos = torch.tensor(lengths)[:, None] + torch.stack([_padded_depth(s, N) for s in shapes])
-        masks = with_window(model, mask, q_pos, ragged_positions(lengths, W, q_pos))
+        masks = with_window(model, mask, lambda: _ragged_query_keys(lengths, W, N, shapes))
         offsets = torch.tensor([0] + sizes).cumsum(0).tolist()
         rows = torch.repeat_interleave(torch.arange(B), torch.tensor(sizes))
         slots = torch.cat([torch.arange(n) for n in sizes])
@@ -152,7 +161,7 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
             ids[b, :shape.size] = torch.tensor(row)
             pos[b, :shape.size] = lengths[b] + shape.depth
             pos[b, shape.size:] = lengths[b]
-        masks = with_window(model, mask, pos, ragged_positions(lengths, W, pos))
+        masks = with_window(model, mask, lambda: (pos, ragged_positions(lengths, W, pos)))
         out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=masks,
                     **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden)
         first = [b * N for b in range(B)]
@@ -161,8 +170,10 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
     return logits, hidden, first
 
 
-def _padded_depth(shape, n: int) -> torch.Tensor:
-    """The shape's node depths, padded with 0 to ``n`` entries."""
-    d = torch.zeros(n, dtype=torch.long)
-    d[:shape.size] = shape.depth
-    return d
+def _ragged_query_keys(lengths: list[int], W: int, N: int, shapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query positions [B, N] of every row's tree nodes (padding at the row's length) and the keys' [B, W + N]."""
+    depth = torch.zeros(len(shapes), N, dtype=torch.long)
+    for b, shape in enumerate(shapes):
+        depth[b, :shape.size] = shape.depth
+    q_pos = torch.tensor(lengths)[:, None] + depth
+    return q_pos, ragged_positions(lengths, W, q_pos)

@@ -95,7 +95,7 @@ class DraftBatch:
         set_length(self.cache, W)
         lengths = [r.length for r in rows]
         mask = ragged_mask(lengths, W, tree_allowed, self.model.dtype, dev)
-        mask = with_window(self.model, mask, pos, ragged_positions(lengths, W, pos))
+        mask = with_window(self.model, mask, lambda: (pos, ragged_positions(lengths, W, pos)))
         out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
                          use_cache=True, **cache_kwargs(self.model, self.cache))
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)

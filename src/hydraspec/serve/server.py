@@ -10,12 +10,12 @@ import threading
 import time
 
 from ..batch import BatchGenerator
-from ..memory import cache_bytes, gib
+from ..memory import cache_bytes, gib, kv_bytes_per_slot
 from ..errors import HydraspecError
 from ..inputs import context_limit, encode_prompt
 from ..adaptive import AdaptiveDraft
 from ..verify_cost import stored_cost_path
-from ..prefix_pool import PrefixPool, bytes_per_token
+from ..prefix_pool import PrefixPool
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
 
@@ -47,7 +47,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
     bg.adaptive = adaptive
     if prefix_tokens > 0:
         bg.prefix_pool = PrefixPool(prefix_tokens)
-        say(f"prefix cache: up to {prefix_tokens} tokens ({gib(prefix_tokens * bytes_per_token(bg.model))}) of "
+        say(f"prefix cache: up to {prefix_tokens} tokens ({gib(prefix_tokens * kv_bytes_per_slot(bg.model))}) of "
             "earlier prompts and answers")
     bg.prefill_chunk = prefill_chunk
     rule = bg.policy(serving=True)
