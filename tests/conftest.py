@@ -25,3 +25,10 @@ def tok():
     import tiny
 
     return tiny.make_tokenizer()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Name the shuffled order (pytest-randomly) even under -q, so that a failure that depends on it reruns."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int):
+        terminalreporter.write_line(f"test order: rerun with -p randomly --randomly-seed={seed}")
