@@ -169,3 +169,15 @@ def test_auto_drafts_where_it_pays_and_decodes_plainly_where_not(extra_token_cos
         assert res.stats.target_forwards <= N // 4 + 2
     else:
         assert res.stats.target_forwards == N and oracle.calls == 0
+
+
+@pytest.mark.parametrize("budget,tries", [(8, False), (100_000, True)])
+def test_auto_tries_a_costly_drafter_only_where_its_catch_up_can_pay(budget, tries):
+    """A costly drafter first reads the whole prompt: on a long prompt with 8 tokens left to write that read
+    cannot pay back and the drafter is never asked; with a long answer ahead it is tried."""
+    prompt = list(range(5, 405))
+    oracle = Oracle(prompt[-4:] * 4, len(prompt))
+    auto = AutoDrafter({"oracle": oracle}, {n: 1.0 + 0.01 * (n - 1) for n in (1, 2, 4, 8, 16)})
+    state = DecodeState(prompt, len(prompt), Sampling(), capacity=len(prompt) + budget)
+    trees = auto.propose([state])
+    assert (oracle.calls == 1) == tries and (len(trees[0]) > 0) == tries

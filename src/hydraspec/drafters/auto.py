@@ -14,9 +14,12 @@ Drafters whose proposals cost next to nothing (``cheap``) propose every step, an
 not verified it is still scored against the tokens decoded next (greedy: exactly what verification would
 have accepted), so their estimates stay current at no cost. A drafter with a forward of its own is run only
 when chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could
-beat the best. With R rows in the step a row's option is worth (R + expected extra tokens) / (c(R + its
-nodes) + its drafting seconds), the batch's tokens per second if only this row drafted; plain decoding is
-R / c(R). The output never depends on the choice: every proposal is verified by the target.
+beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
+drafter with a forward of its own first reads every token it has not seen (on first use, the whole prompt),
+at its measured seconds per token read. With R rows in the step a row's option is worth (R + expected extra
+tokens) / (c(R + its nodes) + its drafting seconds), the batch's tokens per second if only this row
+drafted; plain decoding is R / c(R). A costly drafter's proposal is cut to the nodes that pay, as a cheap
+one's is. The output never depends on the choice: every proposal is verified by the target.
 """
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ from dataclasses import dataclass, field
 
 from ..tree import DraftTree, shape_of
 from ..verify_cost import Curve
-from .base import DecodeState, Drafter, RowStates, Verdict
+from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of
 
 DECAY = 0.9  # weight of older observations of a drafter on one sequence, per new observation
 PRIOR_WEIGHT = 3.0  # the all-sequences estimate counts as this many observations of a sequence
 EXPLORE = 16  # steps after which a drafter not tried on a sequence is tried once, if it could pay
 MARGIN = 1.02  # a drafter must be expected to beat plain decoding by this
+RUN = 8  # steps a costly drafter is expected to stay chosen: its catch-up read is spread over them
+READ_GUESS = 0.03  # seconds to read one token, as a fraction of one target step, until measured
 
 
 @dataclass
@@ -53,6 +58,7 @@ class AutoRow:
     tallies: dict[str, Tally] = field(default_factory=dict)
     chosen: str | None = None  # the drafter whose proposal was verified last step
     tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
+    seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     shadows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # unverified cheap chains
 
 
@@ -73,6 +79,7 @@ class AutoDrafter(Drafter):
         self.totals = {n: Tally() for n in drafters}  # every sequence's counts, undiscounted
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
+        self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
 
     @property
@@ -90,17 +97,16 @@ class AutoDrafter(Drafter):
         out = [DraftTree.empty() for _ in states]
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
         for b, (row, s) in enumerate(zip(rows, states)):
-            name, tree = self._choose(row, len(states), {n: t[b] for n, t in offers.items()})
+            name, tree = self._choose(row, s, len(states), {n: t[b] for n, t in offers.items()})
             row.chosen, out[b] = name, tree
             if name in wants:
                 wants[name].append(b)
             self._shadow(row, s, {n: t[b] for n, t in offers.items()}, name)
         for n, picked in wants.items():
-            if picked:  # a first proposal also reads the prompt: not a proposal's usual cost
-                first = any(n not in rows[b].tried for b in picked)
-                for b, tree in zip(picked, self._timed(n, [states[b] for b in picked], record=not first)):
-                    out[b] = tree
-                    self.sizes[n] = 0.8 * self.sizes[n] + 0.2 * len(tree)
+            if picked:
+                for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
+                    keep, _ = self._best_cut(tree, self.rate(rows[b], n), len(states), self.seconds[n])
+                    out[b] = tree.head(keep)
         for row in rows:
             for n in self.costly:
                 if n == row.chosen:
@@ -109,15 +115,36 @@ class AutoDrafter(Drafter):
                     row.tried[n] += 1
         return out
 
-    def _timed(self, name: str, states: list[DecodeState], record: bool = True) -> list[DraftTree]:
+    def _timed(self, name: str, states: list[DecodeState]) -> list[DraftTree]:
         t0 = time.perf_counter()
         trees = self.drafters[name].propose(states)
-        each = (time.perf_counter() - t0) / len(states)
-        if record:
-            self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
+        self._keep_seconds(name, (time.perf_counter() - t0) / len(states))
         return trees
 
-    def _choose(self, row: AutoRow, R: int, offers: dict[str, DraftTree]) -> tuple[str | None, DraftTree]:
+    def _keep_seconds(self, name: str, each: float) -> None:
+        self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
+
+    def _costly(self, name: str, rows: list[AutoRow], states: list[DecodeState]) -> list[DraftTree]:
+        """A costly drafter's proposals; the tokens it first reads to catch up are timed apart from them."""
+        gaps = sum(self._gap(r, s, name) for r, s in zip(rows, states))
+        t0 = time.perf_counter()
+        trees = self.drafters[name].propose(states)
+        took, usual = time.perf_counter() - t0, self.seconds[name] * len(states)
+        if gaps and usual and not self.read[name]:  # the first catch-up with a known usual cost: its rate
+            self.read[name] = max(0.0, took - usual) / gaps
+        elif self.read[name] or not gaps:
+            self._keep_seconds(name, max(0.0, took - self.read[name] * gaps) / len(states))
+        for r, s, tree in zip(rows, states, trees):
+            r.seen[name] = len(s.tokens)
+            self.sizes[name] = 0.8 * self.sizes[name] + 0.2 * len(tree)
+        return trees
+
+    def _gap(self, row: AutoRow, s: DecodeState, name: str) -> int:
+        """Tokens a costly drafter must read before it proposes, beyond a usual step's few."""
+        return max(0, len(s.tokens) - row.seen.get(name, 0) - round(self.sizes[name]) - 1)
+
+    def _choose(self, row: AutoRow, s: DecodeState, R: int,
+                offers: dict[str, DraftTree]) -> tuple[str | None, DraftTree]:
         """The option with the most expected tokens per second of the batch (see the module docstring)."""
         c = self.cost
         best, pick, tree = R / c(R) * MARGIN, None, DraftTree.empty()
@@ -127,11 +154,14 @@ class AutoDrafter(Drafter):
                 best, pick, tree = value, n, offer.head(n_keep)
         for n in self.costly:
             a, size = self.rate(row, n), max(1, round(self.sizes[n]))
-            value = (R + gain(a, size)) / (c(R + size) + self.seconds[n])
+            catch_up = self._gap(row, s, n) * (self.read[n] or READ_GUESS * c(1))
+            step = c(R + size) + self.seconds[n]
+            value = (R + gain(a, size)) / (step + catch_up / RUN)
             if row.tried.get(n, EXPLORE) >= EXPLORE:
-                opt = min(0.95, a + 0.2)
-                if (R + gain(opt, size)) / (c(R + size) + self.seconds[n]) > best:
-                    value = max(value, best * 1.0001)  # worth one try
+                hope = (R + gain(min(0.95, a + 0.2), size)) / step
+                left = max(0, capacity_of(s) - len(s.tokens) - self.max_nodes)
+                if hope > best and 0.5 * R * left * (1 / best - 1 / hope) > catch_up:
+                    value = max(value, best * 1.0001)  # worth one try: it may pay back its catch-up
             if value > best:
                 best, pick, tree = value, n, DraftTree.empty()
         return pick, tree
