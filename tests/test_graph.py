@@ -146,17 +146,25 @@ def test_every_method_answers_as_plain_decoding_with_compiled_steps(pair):
         assert res.token_ids == ref.token_ids, drafter.name
 
 
-def test_an_engine_built_outside_inference_mode_runs_the_graphs_compiled_at_load(pair):
+@pytest.mark.parametrize("method", ["pld", "auto"])
+def test_an_engine_built_outside_inference_mode_runs_the_graphs_compiled_at_load(pair, method, tmp_path,
+                                                                                  monkeypatch):
     """The server builds its engine outside inference mode; its first request must reuse the two graphs
-    compiled at load (no compile of a minute or more under a waiting client), and answer as plain decoding."""
+    compiled at load (no compile of a minute or more under a waiting client), and answer as plain decoding.
+    ``auto`` measures the verify cost as it is built (before any request), through the same compiled steps."""
     from torch._dynamo.utils import counters
 
     from hydraspec.batch import BatchGenerator
+    from hydraspec.drafters import make_auto
     from hydraspec.engine import Request
 
+    monkeypatch.setenv("HYDRASPEC_HOME", str(tmp_path))  # the verify cost is measured here, not read from disk
     eager, compiled, tok = pair
     ref = SpeculativeGenerator(eager, tok).generate(PROMPT, max_new_tokens=24, chat=False)
-    bg = BatchGenerator(compiled, tok, make_drafter("pld"))
+    graphs = counters["stats"]["unique_graphs"]
+    drafter = make_drafter("pld") if method == "pld" else make_auto(compiled)
+    assert counters["stats"]["unique_graphs"] == graphs  # measuring the verify cost compiled nothing
+    bg = BatchGenerator(compiled, tok, drafter)
     engine = bg.engine(rows=2, capacity=256)  # as hydraspec serve builds it: no inference mode around it
     ids = SpeculativeGenerator(compiled, tok).encode(PROMPT, chat=False)
     req = Request(ids, 24)

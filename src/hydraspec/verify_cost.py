@@ -12,8 +12,9 @@ from collections import Counter
 import torch
 
 from . import backend
-from .cache import cache_kwargs, new_cache, text_config
+from .cache import new_cache, text_config
 from .home import hydraspec_home
+from .verify import forward_nodes
 
 SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in row blocks, so cost is not smooth
 
@@ -113,18 +114,18 @@ def _prefilled(model, prefix: int, most: int):
     """A cache holding ``prefix`` random tokens (after a warm-up forward, which pays for allocations)."""
     vocab = text_config(model).vocab_size
     g = torch.Generator().manual_seed(0)
-    start = torch.randint(10, min(vocab, 1000), (1, prefix), generator=g).to(model.device)
+    start = torch.randint(10, min(vocab, 1000), (prefix,), generator=g).to(model.device)
     cache = new_cache(model, prefix + most + 4)
-    model(input_ids=start, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-    model(input_ids=start[:, :4], **cache_kwargs(model, cache), use_cache=True)
-    cache.crop(prefix)
+    forward_nodes(model, cache, start, torch.arange(prefix, device=model.device), None, 0, last_only=True)
+    _forward_seconds(model, cache, prefix, 4, vocab, g)
     return cache, vocab, g
 
 
 def _forward_seconds(model, cache, prefix: int, n: int, vocab: int, g) -> float:
-    x = torch.randint(10, min(vocab, 1000), (1, n), generator=g).to(model.device)
+    x = torch.randint(10, min(vocab, 1000), (n,), generator=g).to(model.device)
+    positions = torch.arange(prefix, prefix + n, device=model.device)
     t = time.perf_counter()
-    model(input_ids=x, **cache_kwargs(model, cache), use_cache=True)
+    forward_nodes(model, cache, x, positions, None, prefix)  # as the engine calls it: the compiled steps apply
     seconds = time.perf_counter() - t
     cache.crop(prefix)
     return seconds

@@ -19,12 +19,13 @@ def make_auto(target, costly: dict[str, Drafter] | None = None, pld_tokens: int 
               pld_min_ngram: int = 2) -> Drafter:
     """The ``auto`` method: prompt lookup, suffix decoding and predicted outputs always, plus ``costly``
     drafters (a draft model, heads), chosen per sequence and step by measured payoff (drafters.auto).
-    ``target``: the model whose verify cost is measured (once, at the first proposal)."""
+    ``target``: the model whose verify cost is measured now (once per process and machine: a server pays for it
+    at start-up, not under its first request), after its steps are compiled."""
     subs: dict[str, Drafter] = {
         "pld": PromptLookupDrafter(num_tokens=pld_tokens, max_ngram=pld_ngram, min_ngram=pld_min_ngram, dynamic=False),
         "suffix": SuffixDrafter(), "prediction": PredictionDrafter()}
     subs.update(costly or {})
-    return AutoDrafter(subs, lambda: measure_verify_cost(target, sizes=SIZES))
+    return AutoDrafter(subs, measure_verify_cost(target, sizes=SIZES))
 
 
 METHODS = ("ar", "auto", "draft", "pld", "suffix", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa",
