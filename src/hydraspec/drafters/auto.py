@@ -63,30 +63,24 @@ class AutoRow:
 
 
 class AutoDrafter(Drafter):
-    """See the module docstring. ``drafters``: name -> Drafter; ``cost``: the target's verify cost curve
-    (or a function returning it, called once at the first proposal)."""
+    """See the module docstring. ``drafters``: name -> Drafter; ``cost``: the target's verify cost, measured
+    points {n: seconds} (hydraspec.verify_cost)."""
 
     name = "auto"
     paced = True
 
-    def __init__(self, drafters: dict[str, Drafter], cost):
+    def __init__(self, drafters: dict[str, Drafter], cost: dict[int, float]):
         self.drafters = drafters
         self.cheap = {n: d for n, d in drafters.items() if d.cheap}
         self.costly = {n: d for n, d in drafters.items() if not d.cheap}
         self.max_nodes = max([d.max_nodes for d in drafters.values()] + [0])
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
-        self._cost = cost
+        self.cost = Curve(cost)
         self.totals = {n: Tally() for n in drafters}  # every sequence's counts, undiscounted
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
-
-    @property
-    def cost(self) -> Curve:
-        if not isinstance(self._cost, Curve):
-            self._cost = Curve(self._cost() if callable(self._cost) else self._cost)
-        return self._cost
 
     # -- proposing --------------------------------------------------------------------------------------
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
