@@ -8,6 +8,7 @@ import os
 import time
 import weakref
 from collections import Counter
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -23,8 +24,6 @@ _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model ->
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("hydraspec")
     except PackageNotFoundError:

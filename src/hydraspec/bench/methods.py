@@ -6,14 +6,25 @@ Runner answers one prompt (token ids) and reports a TurnResult. A new method (e.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from ..drafters import DRAFT_METHODS, make_auto, make_drafter
+from ..drafters.hybrid import LookupHybridDrafter
+from ..drafters.prompt_lookup import PromptLookupDrafter
 from ..errors import HydraspecError
+from ..generator import SpeculativeGenerator
+from ..heads import load_heads
+from ..options import draft_k_option, leaves_option, shipped_tree_for
 from ..prefix_pool import PrefixPool
+from ..tree import load_tree_spec
 
 
 @dataclass
@@ -106,9 +117,6 @@ def tree_variant(name: str) -> MethodSpec | None:
         return None
     if name not in METHODS:
         def factory(ctx: BenchContext, base=base) -> Runner:
-            import copy
-            import dataclasses
-
             args = copy.copy(ctx.args)
             for k, v in overrides.items():
                 setattr(args, k, v)
@@ -166,8 +174,6 @@ def sync(device) -> None:
 # -- our engine -------------------------------------------------------------------------------------
 class EngineRunner(Runner):
     def __init__(self, ctx: BenchContext, drafter):
-        from ..generator import SpeculativeGenerator
-
         self.gen = SpeculativeGenerator(ctx.model, ctx.tokenizer, drafter=drafter)
         if getattr(ctx.args, "prefix_cache", 0):  # earlier turns' keys and values, this method's own
             self.gen.batch.prefix_pool = PrefixPool(ctx.args.prefix_cache)
@@ -189,8 +195,6 @@ class EngineRunner(Runner):
 
 def _engine(method: str):
     def factory(ctx: BenchContext) -> Runner:
-        from ..drafters import DRAFT_METHODS, make_drafter
-
         a = ctx.args
         if method == "pld":
             drafter = make_drafter("pld", num_tokens=a.pld_tokens)
@@ -201,8 +205,6 @@ def _engine(method: str):
                 raise HydraspecError(f"method '{method}' needs --draft-model")
             dm, dtok = ctx.draft
             conf = getattr(a, "draft_confidence", None)
-            from ..options import draft_k_option, leaves_option, shipped_tree_for
-
             leaves = leaves_option(a)  # refuses leaves with a tree
             if getattr(a, "tree", None):
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
@@ -214,9 +216,6 @@ def _engine(method: str):
                 drafter = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer,
                                        draft_tokenizer=dtok, confidence=conf, **draft_k_option(a), **leaves)
             if method == "pld+draft":
-                from ..drafters.hybrid import LookupHybridDrafter
-                from ..drafters.prompt_lookup import PromptLookupDrafter
-
                 drafter = LookupHybridDrafter(drafter, PromptLookupDrafter(num_tokens=a.pld_tokens), prefer_lookup=True)
         else:
             drafter = make_drafter(method)
@@ -227,9 +226,6 @@ def _engine(method: str):
 
 def _auto(ctx: BenchContext):
     """The auto method's drafter: prompt lookup, suffix decoding, predictions, and the draft model where given."""
-    from ..drafters import make_auto, make_drafter
-    from ..options import shipped_tree_for
-
     costly = {}
     if ctx.draft is not None:
         dm, dtok = ctx.draft
@@ -243,8 +239,6 @@ def _auto(ctx: BenchContext):
 def _tree_options(a, max_depth: int | None = None) -> dict:
     """--tree as make_drafter options: 'dynamic' with its sizes, or the tree spec as given (a tree.json
     carries more than its paths, e.g. a draft model's stop), validated here."""
-    from ..tree import load_tree_spec
-
     spec = a.tree
     if isinstance(spec, str) and spec.strip().lower() == "dynamic":
         return {"tree": "dynamic", "tree_nodes": getattr(a, "tree_nodes", None),
@@ -255,9 +249,6 @@ def _tree_options(a, max_depth: int | None = None) -> dict:
 
 def heads_variant(directory) -> str | None:
     """'medusa', 'hydra' or 'hydra++' (Hydra heads with a prefix layer) for a heads directory."""
-    import json
-    from pathlib import Path
-
     try:
         cfg = json.loads((Path(directory) / "config.json").read_text())
     except (OSError, ValueError):
@@ -280,9 +271,6 @@ def pick_heads(dirs, method: str) -> str:
 
 def _heads(method: str):
     def factory(ctx: BenchContext) -> Runner:
-        from ..drafters import make_drafter
-        from ..heads import load_heads
-
         heads, cfg = load_heads(pick_heads(ctx.heads, method.removeprefix("pld+")), ctx.model,
                                 base_model=ctx.args.model)
         spec = getattr(ctx.args, "tree", None)

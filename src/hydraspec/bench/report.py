@@ -10,16 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-from .. import backend
+import torch
+import transformers
+
+from .. import __version__, backend
 from . import stats
 
 
 def machine_info(dtype: str, device: str) -> dict:
-    import torch
-    import transformers
-
-    from .. import __version__
-
     info = {
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -38,9 +36,7 @@ def machine_info(dtype: str, device: str) -> dict:
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     elif os.environ.get("HYDRASPEC_PREPACK", "1") != "0":
-        from ..backend import describe
-
-        info["cpu_kernel"] = describe()  # which native build ran: the CPU model alone does not tell
+        info["cpu_kernel"] = backend.describe()  # which native build ran: the CPU model alone does not tell
     return info
 
 
@@ -231,8 +227,8 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
 def plot(summary: dict, path: Path) -> None:
     """Grouped bars: one group per category (+ overall), one bar per method: speedup over ar (else over
     hf-ar, else tokens/s)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional
+    from matplotlib.figure import Figure  # optional
 
     methods, cats = summary["methods"], summary["categories"] + ["overall"]
     table = summary["table"]

@@ -70,8 +70,8 @@ class _Skeleton:
 
 def _skeleton(gguf_file, config, dtype: torch.dtype, attn_implementation: str | None) -> _Skeleton:
     from accelerate import init_empty_weights  # heavy
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, \
-        get_gguf_hf_weights_map  # heavy
+    from transformers.modeling_gguf_pytorch_utils import (  # heavy
+        TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map)
 
     reader = GGUFReader(str(gguf_file))
     arch = str(reader.fields["general.architecture"].contents())
