@@ -181,3 +181,26 @@ def test_auto_tries_a_costly_drafter_only_where_its_catch_up_can_pay(budget, tri
     state = DecodeState(prompt, len(prompt), Sampling(), capacity=len(prompt) + budget)
     trees = auto.propose([state])
     assert (oracle.calls == 1) == tries and (len(trees[0]) > 0) == tries
+
+
+@pytest.mark.parametrize("all_or_nothing,keeps", [(True, 8), (False, 2)])
+def test_auto_keeps_deep_drafts_where_acceptance_holds_with_depth(all_or_nothing, keeps):
+    """Half the proposals accepted whole and half rejected at once (a repeated answer, say): a draft at depth 8
+    is accepted half the time, so all 8 drafts pay; the same first-draft rate with rejections spread over the
+    depths (each draft accepted half the time) pays for 2 where extra verify tokens cost a tenth of a step."""
+    from hydraspec.drafters.auto import Tally, reach
+    from hydraspec.tree import DraftTree, chain
+
+    tally = Tally()
+    for i in range(200):
+        if all_or_nothing:
+            tally.add(8 if i % 2 else 0, 8, decay=1.0)
+        else:
+            tally.add([0, 1, 0, 2, 0, 1, 0, 3][i % 8], 8, decay=1.0)
+    rates = tally.own_rates()
+    assert rates[0] == pytest.approx(0.5, abs=0.02)
+    deep = reach(rates, 8)[-1]
+    assert deep == pytest.approx(0.5 if all_or_nothing else 0.5 ** 8, abs=0.03)
+    auto = AutoDrafter({}, {n: 1.0 + 0.1 * (n - 1) for n in (1, 2, 4, 8, 16)})
+    offer = DraftTree(torch.arange(8), chain(8))
+    assert auto._best_cut(offer, rates, 1, 0.0)[0] == keeps

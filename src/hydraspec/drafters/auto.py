@@ -6,9 +6,11 @@ or none (plain decoding). What decides, all measured on this machine and this se
 
 - the verify cost curve c(n): one target forward over n new tokens (hydraspec.verify_cost);
 - each drafter's seconds per proposal (an average over its recent calls);
-- each drafter's per-token acceptance a on this sequence: discounted counts (DECAY per observation) of
-  drafts accepted and of proposals cut short by a rejection (the geometric model: a chain's i-th token is
-  accepted with a^i), with every sequence's counts as the prior.
+- each drafter's acceptance on this sequence by depth: r_d, the chance that a draft at depth d is accepted
+  once the one above it was, from discounted counts (DECAY per observation) of the drafts that reached
+  depth d and of those accepted there, with every sequence's counts as the prior (each depth's prior leans
+  on the depth above). A node at depth d is worth r_1 ... r_d: a long match (a repeated answer) keeps its
+  deep drafts where one rate for all depths would cut them.
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is
 not verified it is still scored against the tokens decoded next (greedy: exactly what verification would
@@ -16,7 +18,7 @@ have accepted), so their estimates stay current at no cost. A drafter with a for
 when chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could
 beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
 drafter with a forward of its own first reads every token it has not seen (on first use, the whole prompt),
-at its measured seconds per token read. With R rows in the step a row's option is worth (R + expected extra
+at its measured seconds per token read, and its step may give fewer tokens per second than the best option. With R rows in the step a row's option is worth (R + expected extra
 tokens) / (c(R + its nodes) + its drafting seconds), the batch's tokens per second if only this row
 drafted; plain decoding is R / c(R). A costly drafter's proposal is cut to the nodes that pay, as a cheap
 one's is. The output never depends on the choice: every proposal is verified by the target.
@@ -38,25 +40,54 @@ RUN = 8  # steps a costly drafter is expected to stay chosen: its catch-up read 
 READ_GUESS = 0.03  # seconds to read one token, as a fraction of one target step, until measured
 
 
+DEPTHS = 32  # depths counted apart; deeper drafts share the last depth's counts
+
+
 @dataclass
 class Tally:
-    """Discounted counts of one drafter's proposals: drafts accepted, and proposals cut short."""
+    """Discounted counts of one drafter's proposals by depth: drafts that reached depth d (the one above
+    accepted) and drafts accepted there."""
 
-    accepted: float = 0.0
-    misses: float = 0.0
+    reached: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
+    accepted: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
 
-    def add(self, accepted: int, miss: int, decay: float = DECAY) -> None:
-        self.accepted = self.accepted * decay + accepted
-        self.misses = self.misses * decay + miss
+    def add(self, accepted: int, depth: int, decay: float = DECAY) -> None:
+        """One proposal of ``depth`` levels verified, ``accepted`` of them accepted along its path."""
+        for d in range(DEPTHS):
+            self.reached[d] *= decay
+            self.accepted[d] *= decay
+        for d in range(min(accepted + 1, depth)):
+            k = min(d, DEPTHS - 1)
+            self.reached[k] += 1
+            self.accepted[k] += d < accepted
 
-    def rate(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
-        return (self.accepted + prior * weight) / (self.accepted + self.misses + weight)
+    def rates(self, prior: list[float], weight: float = PRIOR_WEIGHT) -> list[float]:
+        """r_d per depth, each pulled towards ``prior[d]`` as if seen ``weight`` times."""
+        return [(a + p * weight) / (n + weight) for a, n, p in zip(self.accepted, self.reached, prior)]
+
+    def own_rates(self, start: float = 0.5, weight: float = 2.0) -> list[float]:
+        """r_d per depth with no outside prior: depth 1 leans on ``start``, each deeper one on the one above."""
+        out, prev = [], start
+        for a, n in zip(self.accepted, self.reached):
+            prev = (a + prev * weight) / (n + weight)
+            out.append(prev)
+        return out
+
+
+def reach(rates: list[float], nodes: int) -> list[float]:
+    """The chance that a draft at each depth 1..nodes is accepted: the product of the rates down to it."""
+    out, p = [], 1.0
+    for d in range(nodes):
+        p *= rates[min(d, len(rates) - 1)]
+        out.append(p)
+    return out
 
 
 @dataclass
 class AutoRow:
     tallies: dict[str, Tally] = field(default_factory=dict)
     chosen: str | None = None  # the drafter whose proposal was verified last step
+    depths: list[int] = field(default_factory=list)  # that proposal's node depths
     tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     shadows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # unverified cheap chains
@@ -99,9 +130,10 @@ class AutoDrafter(Drafter):
         for n, picked in wants.items():
             if picked:
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
-                    keep, _ = self._best_cut(tree, self.rate(rows[b], n), len(states), self.seconds[n])
+                    keep, _ = self._best_cut(tree, self.rates(rows[b], n), len(states), self.seconds[n])
                     out[b] = tree.head(keep)
-        for row in rows:
+        for row, tree in zip(rows, out):
+            row.depths = shape_of(tree.with_root()).depth.tolist()[1:]
             for n in self.costly:
                 if n == row.chosen:
                     row.tried[n] = 0
@@ -143,40 +175,42 @@ class AutoDrafter(Drafter):
         c = self.cost
         best, pick, tree = R / c(R) * MARGIN, None, DraftTree.empty()
         for n, offer in offers.items():
-            n_keep, value = self._best_cut(offer, self.rate(row, n), R, self.seconds[n])
+            n_keep, value = self._best_cut(offer, self.rates(row, n), R, self.seconds[n])
             if value > best:
                 best, pick, tree = value, n, offer.head(n_keep)
         for n in self.costly:
-            a, size = self.rate(row, n), max(1, round(self.sizes[n]))
+            rates, size = self.rates(row, n), max(1, round(self.sizes[n]))
             catch_up = self._gap(row, s, n) * (self.read[n] or READ_GUESS * c(1))
             step = c(R + size) + self.seconds[n]
-            value = (R + gain(a, size)) / (step + catch_up / RUN)
+            value = (R + gain(rates, size)) / (step + catch_up / RUN)
             if row.tried.get(n, EXPLORE) >= EXPLORE:
-                hope = (R + gain(min(0.95, a + 0.2), size)) / step
+                hope = (R + gain([min(0.95, r + 0.2) for r in rates], size)) / step
                 left = max(0, capacity_of(s) - len(s.tokens) - self.max_nodes)
-                if hope > best and 0.5 * R * left * (1 / best - 1 / hope) > catch_up:
+                loss = catch_up + max(0.0, step - (R + gain(rates, size)) / best)  # if it does no better than now
+                if hope > best and 0.5 * R * left * (1 / best - 1 / hope) > loss:
                     value = max(value, best * 1.0001)  # worth one try: it may pay back its catch-up
             if value > best:
                 best, pick, tree = value, n, DraftTree.empty()
         return pick, tree
 
-    def _best_cut(self, offer: DraftTree, a: float, R: int, seconds: float) -> tuple[int, float]:
+    def _best_cut(self, offer: DraftTree, rates: list[float], R: int, seconds: float) -> tuple[int, float]:
         """How many of the offer's first nodes to verify, and the batch's expected tokens per second."""
         if not len(offer):
             return 0, 0.0
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
+        p = reach(rates, max(depth))
         c, best, keep, value = self.cost, 0.0, 0, float(R)
         for i, d in enumerate(depth):
-            value += a ** (d + 1)
+            value += p[d - 1]
             v = value / (c(R + i + 1) + seconds)
             if v > best:
                 best, keep = v, i + 1
         return keep, best
 
-    def rate(self, row: AutoRow, name: str) -> float:
-        prior = self.totals[name].rate(0.5, 2.0)
+    def rates(self, row: AutoRow, name: str) -> list[float]:
+        prior = self.totals[name].own_rates()
         tally = row.tallies.get(name)
-        return min(0.99, tally.rate(prior) if tally is not None else prior)
+        return [min(0.99, r) for r in (tally.rates(prior) if tally is not None else prior)]
 
     # -- learning -----------------------------------------------------------------------------------------
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
@@ -188,13 +222,13 @@ class AutoDrafter(Drafter):
             by.setdefault(row.chosen, ([], []))[0].append(s)
             by[row.chosen][1].append(v)
             if v.verified:
-                self._count(row, row.chosen, len(v.accepted), int(len(v.accepted) < v.verified))
+                self._count(row, row.chosen, len(v.accepted), max(row.depths[:v.verified], default=0))
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
 
-    def _count(self, row: AutoRow, name: str, accepted: int, miss: int) -> None:
-        row.tallies.setdefault(name, Tally()).add(accepted, miss)
-        self.totals[name].add(accepted, miss, decay=1.0)
+    def _count(self, row: AutoRow, name: str, accepted: int, depth: int) -> None:
+        row.tallies.setdefault(name, Tally()).add(accepted, depth)
+        self.totals[name].add(accepted, depth, decay=1.0)
 
     @staticmethod
     def _shadow(row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], chosen: str | None) -> None:
@@ -212,10 +246,10 @@ class AutoDrafter(Drafter):
             while m < min(len(seen), len(tokens)) and seen[m] == tokens[m]:
                 m += 1
             if m == len(tokens) or m < len(seen):
-                self._count(row, n, m, int(m < len(tokens)))
+                self._count(row, n, m, len(tokens))
                 del row.shadows[n]
 
 
-def gain(a: float, k: int) -> float:
-    """Expected accepted tokens of a k-token chain whose i-th token is accepted with probability a^i."""
-    return sum(a ** i for i in range(1, k + 1))
+def gain(rates: list[float], k: int) -> float:
+    """Expected accepted tokens of a k-token chain with acceptance ``rates`` by depth."""
+    return sum(reach(rates, k))
