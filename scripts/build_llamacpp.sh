@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's command-line tools from the sources that the llama-cpp-python sdist on PyPI vendors,
-# for the llama.cpp baselines of `hydraspec bench` (llamacpp-ar / llamacpp-draft / llamacpp-ngram) and for
-# llama-perplexity. Nothing of llama.cpp is kept in this repository.
+# for the llama.cpp baselines of `hydraspec bench` (llamacpp-ar / llamacpp-draft / llamacpp-ngram), for
+# llama-perplexity and for llama-quantize (benchmarks/gguf_types.py). Nothing of llama.cpp is kept here.
 #   scripts/build_llamacpp.sh [DEST]      DEST defaults to ~/.cache/hydraspec/llama.cpp
 # About 15 minutes on two cores. The binaries land in DEST/build/bin; `hydraspec bench` finds them there
 # (or through $HYDRASPEC_LLAMACPP_BIN).
@@ -20,5 +20,5 @@ cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLA
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
   -DBUILD_SHARED_LIBS=OFF
 cmake --build build -j "$(nproc)" --target llama-completion llama-speculative-simple llama-perplexity \
-  llama-server llama-bench
+  llama-server llama-bench llama-quantize
 echo "llama.cpp tools in $dest/build/bin"

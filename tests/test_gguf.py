@@ -11,7 +11,7 @@ from hydraspec.cpu.gguf import SUPPORTED, GGUFEmbedding, GGUFLinear, decode
 
 # byte ranges of each type's fp16 fields in a block: random bytes there could be NaN or inf
 _F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2],
-               "Q5_K": [0, 2], "Q6_K": [208]}
+               "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def random_tensor(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -44,8 +44,8 @@ def test_decode_equals_gguf_dequantize(type_name):
 
 
 def test_unsupported_type_is_refused_by_name():
-    with pytest.raises(HydraspecError, match="Q3_K"):
-        decode("Q3_K", np.zeros((1, 110), np.uint8), 1, 256)
+    with pytest.raises(HydraspecError, match="IQ2_XXS.*--quant none"):
+        decode("IQ2_XXS", np.zeros((1, 66), np.uint8), 1, 256)
 
 
 @pytest.mark.parametrize("type_name", SUPPORTED)

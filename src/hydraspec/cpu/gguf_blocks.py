@@ -1,5 +1,6 @@
 """llama.cpp's GGUF block formats decoded into integer codes with their scales (:class:`QuantWeight`), as
-:mod:`hydraspec.cpu.gguf` holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K. ``scale`` and ``min``
+:mod:`hydraspec.cpu.gguf` holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and
+IQ4_XS (the 2- and 3-bit codes kept in the 4-bit form, the non-linear IQ4 values in the 8-bit one). ``scale`` and ``min``
 are computed in float32 as gguf-py computes them, so :meth:`QuantWeight.dequantize` equals ``gguf.dequantize``
 bit for bit."""
 from __future__ import annotations
@@ -117,10 +118,54 @@ def _q6_k(b):
     return _two_level(codes.reshape(n, 256), 6, 16, d, sc.copy().view(np.int8))
 
 
+def _q2_k(b):
+    n = b.shape[0]
+    sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    codes = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    return _two_level(codes.reshape(n, 256), 4, 16, d, (sc & 0x0F).astype(np.int8), dmin,
+                      (sc >> 4).astype(np.int8))
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    hmask, qs, packed, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    high = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = ((low & 0x0F) | ((high & 0x03) << 4)).astype(np.int8) - np.int8(32)
+    ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes = ql.reshape(n, 256) | (qh.reshape(n, 256) << 2)  # q + 4: the set high bit means no offset
+    codes, bits, group, scale, mn, _, levels = _two_level(codes, 4, 16, d, sc)
+    return codes, bits, group, scale, mn, 4, levels
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
+
+
+def _iq4_codes(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes of 4-bit indices -> [n, 32] 8-bit codes: the non-linear values + 128 (Q8_0's form)."""
+    return (IQ4_VALUES[_nibbles(qs)] + 128).astype(np.uint8)
+
+
+def _iq4_nl(b):
+    return _iq4_codes(b[:, 2:]), 8, 32, _f16(b[:, :2]), None, 128
+
+
+def _iq4_xs(b):
+    n = b.shape[0]
+    d, high, low, qs = _f16(b[:, :2]), b[:, 2:4].copy().view(np.uint16), b[:, 4:8], b[:, 8:136]
+    lo = ((low.reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)) & 0x0F).reshape(n, 8)
+    hi = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+    sc = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+    scale = d * sc.astype(np.float32)  # one level: the 8-bit kernel takes an fp32 scale per group
+    return _iq4_codes(qs.reshape(n * 8, 16)).reshape(n, 256), 8, 32, scale, None, 128
+
+
 # type name -> (values per block, bytes per block, decoder of [n_blocks, bytes] -> codes [n, values], ...)
 _DECODERS = {
     "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0),
     "Q5_1": (32, 24, _q5_1), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k), "Q6_K": (256, 210, _q6_k),
+    "Q2_K": (256, 84, _q2_k), "Q3_K": (256, 110, _q3_k), "IQ4_NL": (32, 18, _iq4_nl), "IQ4_XS": (256, 136, _iq4_xs),
 }
 SUPPORTED = tuple(_DECODERS)
 
