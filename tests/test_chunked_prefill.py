@@ -75,3 +75,46 @@ def test_a_chunked_prompt_after_a_cache_hit_reads_only_the_rest(tok):
     assert follow.result.token_ids == alone(m, tok, "ar", follow.ids)
     assert running.result.token_ids == SpeculativeGenerator(m, tok).generate(input_ids=running.ids,
                                                                               max_new_tokens=40).token_ids
+
+
+@pytest.mark.parametrize("method", ["pld", "auto"])
+def test_a_step_bound_keeps_every_forward_within_its_cost_and_answers_as_alone(tok, method):
+    """With LatencyCap every forward beside decoding rows holds at most what c(T) <= 2 c(R) allows (drafts and
+    prompt chunks together, on a made-up linear cost), the joining prompt still advances, and every answer is
+    the one decoded alone. Without the bound the 64-token chunks break it (so the check can fail)."""
+    from hydraspec.policy import DraftPolicy, LatencyCap
+
+    m = model()
+    cap = LatencyCap(DraftPolicy(), lambda n: 1.0 + 0.25 * (n - 1), 2.0)
+    assert [cap.room(r) for r in (1, 2, 4)] == [4, 5, 7]
+    seen = []  # (decoding rows, tokens in one forward)
+    for policy in (cap, None):
+        engine = Engine(m, tok, drafter(method, m), eos_ids(m, tok), rows=4, capacity=400, prefill_chunk=64,
+                        policy=policy)
+        if not engine.prefill_chunk:
+            pytest.skip("chunked prefill needs packed rows")
+        rows = [0]
+        hook = m.register_forward_pre_hook(lambda mod, args, kw: seen.append((rows[0], kw["input_ids"].numel())),
+                                           with_kwargs=True)
+        try:
+            first = Request(PROMPTS_REPEAT, 40)
+            engine.add(first)
+            engine.step()
+            joining = Request(prompt(150, 3), N)
+            engine.add(joining)
+            seen.clear()
+            while engine.busy:
+                rows[0] = sum(not r.reading for r in engine.active)
+                engine.step()
+        finally:
+            hook.remove()
+        over = [(r, t) for r, t in seen if r and t > r + cap.room(r)]
+        if policy is cap:
+            assert not over, over
+            for r in (first, joining):
+                assert r.result.token_ids == alone(m, tok, method, r.ids, r.max_new_tokens)
+        else:
+            assert over
+
+
+PROMPTS_REPEAT = [5, 6, 7, 8, 9] * 6

@@ -28,7 +28,7 @@ model leaves out (drafting work, Python overhead, padding, a server's own costs)
 from __future__ import annotations
 
 from .drafters.base import DecodeState
-from .policy import AcceptanceBook, BudgetPolicy, DraftPolicy, StepReport
+from .policy import AcceptanceBook, BudgetPolicy, DraftPolicy, LatencyCap, StepReport
 from .tree import DraftTree, shape_of
 from .verify import can_pack
 from .verify_cost import SIZES, Curve, measure_verify_cost
@@ -66,49 +66,54 @@ class AdaptiveDraft(DraftPolicy):
     def rate(self) -> float:
         return self.book.rate()
 
-    def best_k(self, rows: int, a: float | None = None) -> int:
+    def best_k(self, rows: int, a: float | None = None, extra: int = 0) -> int:
+        """Draft nodes a row: the most expected tokens per second at ``rows`` rows, ``extra`` prompt tokens
+        read in the same forward."""
         a = min(self.rate() if a is None else a, 0.999)
-        plain = rows / self.cost(rows)
+        plain = rows / self.cost(rows + extra)
         best, best_k = plain * PAY_MARGIN, 0
         for k in range(1, self.k_max + 1):
-            gain = rows * (1 - a ** (k + 1)) / (1 - a) / self.cost(rows * (k + 1))
+            gain = rows * (1 - a ** (k + 1)) / (1 - a) / self.cost(rows * (k + 1) + extra)
             if gain > best * 1.0001:
                 best, best_k = gain, k
         return best_k
 
-    def widths(self, rows: int, lengths: list[int], rates: list[float]) -> list[int]:
+    def widths(self, rows: int, lengths: list[int], rates: list[float], extra: int = 0) -> list[int]:
         """How many of its ``lengths[b]`` proposed nodes row b keeps this step, given each row's acceptance
         rate: the choice with the most expected tokens per second of the verify forward (see the module
-        docstring), or none where plain decoding is expected to win by PAY_MARGIN. Packed verification
+        docstring), or none where plain decoding is expected to win by PAY_MARGIN; ``extra`` prompt tokens
+        are read in the same forward. Packed verification
         (each row's nodes cost only themselves): rows keep different lengths, the i-th draft of row b
         being worth rate_b ** i. Padded: one common length."""
         if not any(lengths):
             return list(lengths)
         rates = [min(max(a, 0.0), 0.999) for a in rates]
         if self.packed:
-            return self._packed_widths(rows, lengths, rates)
-        best, keep = rows / self.cost(rows) * PAY_MARGIN, [0] * rows
+            return self._packed_widths(rows, lengths, rates, extra)
+        best, keep = rows / self.cost(rows + extra) * PAY_MARGIN, [0] * rows
         for m in range(1, max(lengths) + 1):
             value = sum((1 - a ** (min(n, m) + 1)) / (1 - a) for a, n in zip(rates, lengths))
-            if value / self.cost(rows * (m + 1)) > best * 1.0001:
-                best, keep = value / self.cost(rows * (m + 1)), [min(n, m) for n in lengths]
+            step = self.cost(rows * (m + 1) + extra)
+            if value / step > best * 1.0001:
+                best, keep = value / step, [min(n, m) for n in lengths]
         return keep
 
-    def _packed_widths(self, rows: int, lengths: list[int], rates: list[float]) -> list[int]:
-        best, keep = rows / self.cost(rows) * PAY_MARGIN, [0] * rows
+    def _packed_widths(self, rows: int, lengths: list[int], rates: list[float], extra: int) -> list[int]:
+        best, keep = rows / self.cost(rows + extra) * PAY_MARGIN, [0] * rows
         worth = sorted(((a ** i, b) for b, (a, n) in enumerate(zip(rates, lengths)) for i in range(1, n + 1)),
                        reverse=True)
         value, count = float(rows), 0
         for j, (w, _) in enumerate(worth):
             value += w
-            if value / self.cost(rows + j + 1) > best * 1.0001:
-                best, count = value / self.cost(rows + j + 1), j + 1
+            step = self.cost(rows + extra + j + 1)
+            if value / step > best * 1.0001:
+                best, count = value / step, j + 1
         for _, b in worth[:count]:
             keep[b] += 1
         return keep
 
-    def limit(self, rows: int) -> int:
-        k = self.k_max if self.cheap else self.best_k(rows)
+    def limit(self, rows: int, extra: int = 0) -> int:
+        k = self.k_max if self.cheap else self.best_k(rows, extra=extra)
         if k and self.check:
             n = self.calls[rows] = self.calls.get(rows, 0) + 1
             if self.drafting_loses(rows):
@@ -120,9 +125,9 @@ class AdaptiveDraft(DraftPolicy):
         self.last[rows] = k
         return k
 
-    def cut(self, trees: list[DraftTree], states: list[DecodeState]) -> list[DraftTree]:
+    def cut(self, trees: list[DraftTree], states: list[DecodeState], extra: int = 0) -> list[DraftTree]:
         """Each row keeps :meth:`widths` of its proposal; a cut chain is scored later as if verified."""
-        keep = self.widths(len(trees), [len(t) for t in trees], [self.book.row_rate(s.key) for s in states])
+        keep = self.widths(len(trees), [len(t) for t in trees], [self.book.row_rate(s.key) for s in states], extra)
         out = []
         for tree, s, w in zip(trees, states, keep):
             if w < len(tree):
@@ -172,7 +177,18 @@ class AdaptiveDraft(DraftPolicy):
 
 
 def make_policy(model, drafter, *, greedy: bool = True, acceptor: str | None = None, budget: int | None = None,
-                adaptive: bool = True, serving: bool = False) -> DraftPolicy:
+                adaptive: bool = True, serving: bool = False, max_step_cost: float = 0.0) -> DraftPolicy:
+    """The draft policy (:func:`draft_policy`); a server's with ``max_step_cost`` > 0 also bounds every step's
+    cost to that many plain steps (:class:`hydraspec.policy.LatencyCap`)."""
+    policy = draft_policy(model, drafter, greedy=greedy, acceptor=acceptor, budget=budget, adaptive=adaptive,
+                          serving=serving)
+    if serving and max_step_cost > 0:
+        return LatencyCap(policy, Curve(measure_verify_cost(model, sizes=SIZES)), max_step_cost)
+    return policy
+
+
+def draft_policy(model, drafter, *, greedy: bool = True, acceptor: str | None = None, budget: int | None = None,
+                 adaptive: bool = True, serving: bool = False) -> DraftPolicy:
     """The one place the draft policy is chosen. ``budget``: a fixed verify budget (BudgetPolicy). Otherwise
     the adaptive rule where it applies, on the CPU: greedy decoding with greedy acceptance (a server also
     for sampled requests) and a drafter whose proposals cost next to nothing (a server: any drafter, whose

@@ -105,6 +105,7 @@ class BatchGenerator:
         self.policies: dict[tuple, DraftPolicy] = {}
         self.prefix_pool: PrefixPool | None = None  # set to keep prompts' keys and values across calls
         self.prefill_chunk = 0  # prompt tokens a joining row reads per step while others decode (0: whole)
+        self.max_step_cost = 0.0  # serving: a step costs at most this many plain steps (0: no bound)
 
     @property
     def max_nodes(self) -> int:
@@ -117,7 +118,8 @@ class BatchGenerator:
         if key not in self.policies:
             self.policies[key] = make_policy(self.model, self.drafter, greedy=temperature <= 0,
                                              acceptor=self.acceptor, budget=self.verify_budget,
-                                             adaptive=self.adaptive, serving=serving)
+                                             adaptive=self.adaptive, serving=serving,
+                                             max_step_cost=self.max_step_cost)
         return self.policies[key]
 
     # -- memory ---------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def cmd_serve(args) -> int:
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
                                   max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
                                   adaptive=not args.no_adaptive, start_worker=False, prefix_tokens=args.prefix_cache,
-                                  prefill_chunk=args.prefill_chunk,
+                                  prefill_chunk=args.prefill_chunk, max_step_cost=args.max_step_cost,
                                   say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run(app, worker, args.host, args.port)
@@ -216,6 +216,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
                    help="while requests decode, a new request's prompt is read this many tokens a step inside "
                         "their forwards, so they keep streaming (default 64; 0: read whole when it joins)")
+    s.add_argument("--max-step-cost", type=float, default=2.0, metavar="R",
+                   help="no step may cost more than R plain steps of the requests that decode, so no stream "
+                        "waits longer for its next tokens: drafts and prompt chunks are cut to fit (default 2; "
+                        "0: no bound)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--no-adaptive", action="store_true",

@@ -276,7 +276,8 @@ class Engine:
         rec = StepRecord(rows=[self.active[a] for a in where], started=time.perf_counter(), where=where)
         if len(where) == len(self.active):  # no row is reading its prompt
             return rec
-        budget = min(self.prefill_chunk, self.capacity - max(r.length for r in self.active))
+        room = self.capacity - max(r.length for r in self.active)
+        budget = min(self.policy.prefill(len(where), self.prefill_chunk), room)
         for a, r in enumerate(self.active):
             if r.reading and budget > 0:
                 n = min(r.unread, budget)
@@ -288,11 +289,12 @@ class Engine:
         """Each row's draft tree: the drafter's proposal within the policy's limit and the row's token budget,
         then cut by the policy."""
         t0 = time.perf_counter()
-        limit = self.policy.limit(len(rec.rows))
+        extra = sum(len(c) for c in rec.chunks.values())
+        limit = self.policy.limit(len(rec.rows), extra)
         rec.drafted = limit != 0
         trees = self.drafter.propose(rec.states) if rec.drafted else [DraftTree.empty() for _ in rec.rows]
         trees = [self._fit(t, r, limit) for t, r in zip(trees, rec.rows)]
-        rec.trees = self.policy.cut(trees, rec.states) if rec.drafted else trees
+        rec.trees = self.policy.cut(trees, rec.states, extra) if rec.drafted else trees
         rec.shapes = [shape_of(t.with_root()) for t in rec.trees]
         rec.nodes = [[r.state.tokens[-1]] + t.tokens.tolist() for r, t in zip(rec.rows, rec.trees)]
         charge(rec.rows, "draft_s", time.perf_counter() - t0)

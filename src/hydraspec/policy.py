@@ -1,13 +1,15 @@
 """How much of each row's draft a step verifies, and the acceptance statistics that decide it.
 
-The engine asks a policy three things each step: :meth:`DraftPolicy.limit` (before drafting: the most draft
-nodes a row may propose at this number of rows; 0 = decode plainly), :meth:`DraftPolicy.cut` (after
-drafting: each row's proposal cut to a BFS prefix) and :meth:`DraftPolicy.update` (after the step: what it
-cost and what each row accepted). Cutting a draft only drops candidates: the output never changes.
+The engine asks a policy four things each step: :meth:`DraftPolicy.prefill` (how many prompt tokens joining
+rows read beside the decoding rows), :meth:`DraftPolicy.limit` (before drafting: the most draft nodes a row
+may propose at this number of rows; 0 = decode plainly), :meth:`DraftPolicy.cut` (after drafting: each row's
+proposal cut to a BFS prefix) and :meth:`DraftPolicy.update` (after the step: what it cost and what each row
+accepted). Cutting a draft only drops candidates: the output never changes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .drafters.base import DecodeState
 from .tree import DraftTree
@@ -90,13 +92,19 @@ class AcceptanceBook:
 
 
 class DraftPolicy:
-    """The default policy: every proposal is verified whole."""
+    """The default policy: every proposal is verified whole, and a joining prompt is read ``chunk`` tokens a
+    step."""
 
-    def limit(self, rows: int) -> int | None:
-        """The most draft nodes a row may propose this step at ``rows`` rows (None: no limit; 0: none)."""
+    def prefill(self, rows: int, chunk: int) -> int:
+        """How many prompt tokens joining rows may read in a step beside ``rows`` decoding rows."""
+        return chunk
+
+    def limit(self, rows: int, extra: int = 0) -> int | None:
+        """The most draft nodes a row may propose this step at ``rows`` rows beside ``extra`` prompt tokens
+        read in the same forward (None: no limit; 0: none)."""
         return None
 
-    def cut(self, trees: list[DraftTree], states: list[DecodeState]) -> list[DraftTree]:
+    def cut(self, trees: list[DraftTree], states: list[DecodeState], extra: int = 0) -> list[DraftTree]:
         """Each row's proposal as it will be verified (a BFS prefix of it)."""
         return trees
 
@@ -111,5 +119,40 @@ class BudgetPolicy(DraftPolicy):
     def __init__(self, budget: int):
         self.budget = budget
 
-    def limit(self, rows: int) -> int | None:
+    def limit(self, rows: int, extra: int = 0) -> int | None:
         return max(1, self.budget // rows - 1)
+
+
+class LatencyCap(DraftPolicy):
+    """A server's bound on every step: its forward may cost at most ``ratio`` times a plain step of the rows
+    that decode, c(T) <= ratio * c(rows) on the measured verify cost ``cost`` (seconds by tokens), so that no
+    stream waits longer than that for its next tokens. A joining prompt's chunk takes the room first (at least
+    one token, so it always advances); the rows' drafts share what is left, on top of ``inner``'s rule.
+    Cutting drafts and chunks changes when tokens come, never which."""
+
+    def __init__(self, inner: DraftPolicy, cost: Callable[[float], float], ratio: float):
+        self.inner, self.cost, self.ratio = inner, cost, ratio
+        self.rooms: dict[int, int] = {}
+
+    def room(self, rows: int) -> int:
+        """Tokens a step of ``rows`` decoding rows may hold beyond one per row."""
+        if rows not in self.rooms:
+            n, bound = max(rows, 1), self.ratio * self.cost(max(rows, 1))
+            while n < rows + 4096 and self.cost(n + 1) <= bound:
+                n += 1
+            self.rooms[rows] = n - rows
+        return self.rooms[rows]
+
+    def prefill(self, rows: int, chunk: int) -> int:
+        return min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))
+
+    def limit(self, rows: int, extra: int = 0) -> int | None:
+        cap = max(0, self.room(rows) - extra) // max(rows, 1)
+        inner = self.inner.limit(rows, extra)
+        return cap if inner is None else min(inner, cap)
+
+    def cut(self, trees: list[DraftTree], states: list[DecodeState], extra: int = 0) -> list[DraftTree]:
+        return self.inner.cut(trees, states, extra)
+
+    def update(self, report: StepReport) -> None:
+        self.inner.update(report)

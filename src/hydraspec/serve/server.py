@@ -15,6 +15,7 @@ from ..errors import HydraspecError
 from ..inputs import context_limit, encode_prompt
 from ..adaptive import AdaptiveDraft
 from ..verify_cost import stored_cost_path
+from ..policy import LatencyCap
 from ..prefix_pool import PrefixPool
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
@@ -24,11 +25,13 @@ log = logging.getLogger("hydraspec.serve")
 
 def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max_context: int | None = None,
                  max_queue: int = 64, api_key: str | None = None, adaptive: bool = True, say=print,
-                 start_worker: bool = True, prefix_tokens: int = 0, prefill_chunk: int = 0):
+                 start_worker: bool = True, prefix_tokens: int = 0, prefill_chunk: int = 0,
+                 max_step_cost: float = 0.0):
     """The FastAPI app and its worker for generator ``bg`` (model, tokenizer, drafter, acceptor).
     prefix_tokens: the prefix cache across requests holds up to this many tokens (0: none). prefill_chunk:
     while rows decode, a new request's prompt is read this many tokens a step inside their forwards (0: whole,
-    at once)."""
+    at once). max_step_cost: no step costs more than this many plain steps of the rows that decode (drafts and
+    chunks cut to fit; 0: no bound)."""
     if max_batch < 1:
         raise HydraspecError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 0:
@@ -50,12 +53,19 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         say(f"prefix cache: up to {prefix_tokens} tokens ({gib(prefix_tokens * kv_bytes_per_slot(bg.model))}) of "
             "earlier prompts and answers")
     bg.prefill_chunk = prefill_chunk
+    if max_step_cost < 0:
+        raise HydraspecError(f"--max-step-cost must be 0 (no bound) or more, got {max_step_cost}")
+    bg.max_step_cost = max_step_cost
     rule = bg.policy(serving=True)
     engine = bg.engine(max_batch, capacity, policy=rule)
     if prefill_chunk and not engine.prefill_chunk:
         say("prompts are read whole when they join (chunked prefill needs packed rows: the CPU backend)")
-    if isinstance(rule, AdaptiveDraft):
-        say(f"adaptive speculation: {rule.describe()}")
+    inner = rule.inner if isinstance(rule, LatencyCap) else rule
+    if isinstance(inner, AdaptiveDraft):
+        say(f"adaptive speculation: {inner.describe()}")
+    if isinstance(rule, LatencyCap):
+        rooms = ", ".join(f"{r} rows -> {rule.room(r)}" for r in (1, 2, 4, 8))
+        say(f"every step within {max_step_cost:g} plain steps: tokens beside one a row (drafts, prompt chunks): {rooms}")
     say(f"KV cache: {max_batch} rows x {capacity} slots = {gib(cache_bytes(bg.model, max_batch, capacity))} "
         f"(target{' + draft model' if need > cache_bytes(bg.model, max_batch, capacity) else ''}: {gib(need)}), "
         f"allocated now; context {context} tokens per request")
