@@ -188,7 +188,7 @@ def test_auto_keeps_deep_drafts_where_acceptance_holds_with_depth(all_or_nothing
     """Half the proposals accepted whole and half rejected at once (a repeated answer, say): a draft at depth 8
     is accepted half the time, so all 8 drafts pay; the same first-draft rate with rejections spread over the
     depths (each draft accepted half the time) pays for 2 where extra verify tokens cost a tenth of a step."""
-    from hydraspec.drafters.auto import Tally, reach
+    from hydraspec.tally import Tally, reach
     from hydraspec.tree import DraftTree, chain
 
     tally = Tally()

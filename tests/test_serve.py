@@ -333,6 +333,24 @@ def test_adaptive_rule_widths_per_row():
     assert steep.widths(2, [5, 5], [0.99, 0.99]) == [0, 0]
 
 
+def test_adaptive_rule_keeps_a_long_match_whose_drafts_are_accepted_whole():
+    """Two rows accept their first draft half the time: one accepts the rest of its proposals whole once the
+    first is (a copied span), the other accepts each draft half the time. Counted by depth, the first keeps
+    all 8 drafts and the second two or three (its deep counts are few, so they lean on every row's), on a cost
+    where every extra verify token costs a tenth of a step."""
+    from hydraspec.adaptive import AdaptiveDraft
+    from hydraspec.policy import RowStep
+
+    rule = AdaptiveDraft({n: 1.0 + 0.1 * (n - 1) for n in (1, 2, 4, 8, 16)}, 8, packed=True, cheap=True)
+    for i in range(40):
+        rule.book.update([RowStep(0, [], 8, 8 if i % 2 else 0, False),
+                          RowStep(1, [], 8, [0, 1, 0, 2, 0, 1, 0, 3][i % 8], False)])
+    keep = rule.widths(1, [8], [rule.book.row_rates(0)])
+    assert keep == [8]
+    assert 2 <= rule.widths(1, [8], [rule.book.row_rates(1)])[0] <= 3
+    assert rule.widths(1, [8], [rule.book.row_rates(1)[0]]) == [2]  # one rate for every depth: the same cut
+
+
 def test_adaptive_rule_stops_drafting_where_the_clock_says_it_loses():
     """The cost model says draft; the measured steps say drafting is slower at 4 rows and faster at 1: after a
     few probes the rule decodes plainly at 4 rows (still probing now and then) and keeps drafting at 1."""

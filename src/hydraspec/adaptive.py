@@ -9,9 +9,10 @@ k = 0 (plain decoding) wins when the forward's cost grows faster than acceptance
 expected to beat it by PAY_MARGIN (the model leaves out per-row drafting and acceptance work, which grows with
 the rows). A drafter whose proposals cost next to nothing (prompt lookup) always gets k_max here.
 
-After drafting, :meth:`AdaptiveDraft.widths` cuts each row's actual proposal with each row's own rate a_b
-(its own counts, with the engine's rate as prior): where the engine verifies rows packed (each row's nodes
-cost only themselves) the i-th draft of row b is worth a_b^i and the rule keeps the drafts worth most as
+After drafting, :meth:`AdaptiveDraft.widths` cuts each row's actual proposal with each row's own rates by
+depth (hydraspec.tally; its own counts, with every row's as prior): where the engine verifies rows packed
+(each row's nodes cost only themselves) the i-th draft of row b is worth the chance of reaching it,
+r_1 ... r_i, and the rule keeps the drafts worth most as
 long as expected tokens per second still grow; with padded rows it picks one common length. So in a full
 batch the rows whose lookups keep hitting still draft, and the others cost nothing. ``a`` starts from a
 prior of 0.5 worth 20 draws (hydraspec.policy).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from .drafters.base import DecodeState
 from .policy import AcceptanceBook, BudgetPolicy, DraftPolicy, LatencyCap, StepReport
+from .tally import reach
 from .tree import DraftTree, shape_of
 from .verify import can_pack
 from .verify_cost import SIZES, Curve, measure_verify_cost
@@ -78,37 +80,37 @@ class AdaptiveDraft(DraftPolicy):
                 best, best_k = gain, k
         return best_k
 
-    def widths(self, rows: int, lengths: list[int], rates: list[float], extra: int = 0) -> list[int]:
+    def widths(self, rows: int, lengths: list[int], rates: list, extra: int = 0) -> list[int]:
         """How many of its ``lengths[b]`` proposed nodes row b keeps this step, given each row's acceptance
-        rate: the choice with the most expected tokens per second of the verify forward (see the module
-        docstring), or none where plain decoding is expected to win by PAY_MARGIN; ``extra`` prompt tokens
-        are read in the same forward. Packed verification
-        (each row's nodes cost only themselves): rows keep different lengths, the i-th draft of row b
-        being worth rate_b ** i. Padded: one common length."""
+        (a rate, or rates by depth as hydraspec.tally counts them): the choice with the most expected tokens
+        per second of the verify forward (see the module docstring), or none where plain decoding is expected
+        to win by PAY_MARGIN; ``extra`` prompt tokens are read in the same forward. Packed verification (each
+        row's nodes cost only themselves): rows keep different lengths, the i-th draft of row b being worth
+        the chance of reaching it. Padded: one common length."""
         if not any(lengths):
             return list(lengths)
-        rates = [min(max(a, 0.0), 0.999) for a in rates]
+        worth = [reach([min(max(a, 0.0), 0.999) for a in (r if isinstance(r, list) else [r])], n)
+                 for r, n in zip(rates, lengths)]
         if self.packed:
-            return self._packed_widths(rows, lengths, rates, extra)
+            return self._packed_widths(rows, worth, extra)
         best, keep = rows / self.cost(rows + extra) * PAY_MARGIN, [0] * rows
         for m in range(1, max(lengths) + 1):
-            value = sum((1 - a ** (min(n, m) + 1)) / (1 - a) for a, n in zip(rates, lengths))
+            value = rows + sum(sum(w[:m]) for w in worth)
             step = self.cost(rows * (m + 1) + extra)
             if value / step > best * 1.0001:
                 best, keep = value / step, [min(n, m) for n in lengths]
         return keep
 
-    def _packed_widths(self, rows: int, lengths: list[int], rates: list[float], extra: int) -> list[int]:
+    def _packed_widths(self, rows: int, worth: list[list[float]], extra: int) -> list[int]:
         best, keep = rows / self.cost(rows + extra) * PAY_MARGIN, [0] * rows
-        worth = sorted(((a ** i, b) for b, (a, n) in enumerate(zip(rates, lengths)) for i in range(1, n + 1)),
-                       reverse=True)
+        ranked = sorted(((w, b) for b, ws in enumerate(worth) for w in ws), reverse=True)
         value, count = float(rows), 0
-        for j, (w, _) in enumerate(worth):
+        for j, (w, _) in enumerate(ranked):
             value += w
             step = self.cost(rows + extra + j + 1)
             if value / step > best * 1.0001:
                 best, count = value / step, j + 1
-        for _, b in worth[:count]:
+        for _, b in ranked[:count]:
             keep[b] += 1
         return keep
 
@@ -127,7 +129,8 @@ class AdaptiveDraft(DraftPolicy):
 
     def cut(self, trees: list[DraftTree], states: list[DecodeState], extra: int = 0) -> list[DraftTree]:
         """Each row keeps :meth:`widths` of its proposal; a cut chain is scored later as if verified."""
-        keep = self.widths(len(trees), [len(t) for t in trees], [self.book.row_rate(s.key) for s in states], extra)
+        keep = self.widths(len(trees), [len(t) for t in trees], [self.book.row_rates(s.key) for s in states],
+                           extra)
         out = []
         for tree, s, w in zip(trees, states, keep):
             if w < len(tree):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .drafters.base import DecodeState
+from .tally import Tally
 from .tree import DraftTree
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
@@ -42,30 +43,31 @@ class StepReport:
 
 
 class AcceptanceBook:
-    """Per-token acceptance of drafts, accepted / (accepted + misses) (a miss: a row-step whose draft was cut
-    short by a rejection), over all rows from a prior of PRIOR_RATE worth PRIOR_WEIGHT draws, and per row
-    with the overall rate as its prior (worth ROW_PRIOR_WEIGHT draws). A chain that the policy cut before
-    verification is scored later against the tokens decoded since (a shadow): exactly so for greedy rows,
-    as greedy verification accepts the drafts that equal the target's own next tokens."""
+    """Acceptance of drafts by depth (hydraspec.tally): over all rows from a prior of PRIOR_RATE worth
+    PRIOR_WEIGHT draws at depth 1 (each deeper depth leaning on the one above), and per row with the overall
+    rates as its prior (worth ROW_PRIOR_WEIGHT draws). A chain that the policy cut before verification is
+    scored later against the tokens decoded since (a shadow): exactly so for greedy rows, as greedy
+    verification accepts the drafts that equal the target's own next tokens."""
 
     def __init__(self):
-        self.accepted = self.misses = 0
-        self.rows: dict[int, list[int]] = {}  # key -> [accepted, misses]
+        self.all = Tally()
+        self.rows: dict[int, Tally] = {}  # key -> its own counts
         self.shadows: dict[int, tuple[int, list[int]]] = {}  # key -> (where it starts, its tokens)
 
+    def rates(self) -> list[float]:
+        return self.all.own_rates(PRIOR_RATE, PRIOR_WEIGHT)
+
     def rate(self) -> float:
-        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.accepted + self.misses + PRIOR_WEIGHT)
+        """The overall rate at depth 1."""
+        return self.rates()[0]
 
-    def row_rate(self, key: int) -> float:
-        a, m = self.rows.get(key, (0, 0))
-        return (a + self.rate() * ROW_PRIOR_WEIGHT) / (a + m + ROW_PRIOR_WEIGHT)
+    def row_rates(self, key: int) -> list[float]:
+        row = self.rows.get(key)
+        return self.rates() if row is None else row.rates(self.rates(), ROW_PRIOR_WEIGHT)
 
-    def count(self, key: int, accepted: int, miss: int) -> None:
-        self.accepted += accepted
-        self.misses += miss
-        row = self.rows.setdefault(key, [0, 0])
-        row[0] += accepted
-        row[1] += miss
+    def count(self, key: int, accepted: int, depth: int) -> None:
+        self.all.add(accepted, depth)
+        self.rows.setdefault(key, Tally()).add(accepted, depth)
 
     def shadow(self, key: int, at: int, tokens: list[int]) -> None:
         self.shadows.setdefault(key, (at, tokens))
@@ -75,7 +77,7 @@ class AcceptanceBook:
             if s.key in self.shadows:
                 self._score_shadow(s)
             elif s.depth:
-                self.count(s.key, s.accepted, int(s.accepted < s.depth))
+                self.count(s.key, s.accepted, s.depth)
             if s.done:
                 self.rows.pop(s.key, None)
                 self.shadows.pop(s.key, None)
@@ -87,7 +89,7 @@ class AcceptanceBook:
         while m < min(len(seen), len(tokens)) and seen[m] == tokens[m]:
             m += 1
         if m == len(tokens) or m < len(seen):  # all of it would have been accepted, or a token differs
-            self.count(s.key, m, int(m < len(tokens)))
+            self.count(s.key, m, len(tokens))
             del self.shadows[s.key]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..tally import Tally, reach
 from ..tree import DraftTree, shape_of
 from ..verify_cost import Curve
 from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of
@@ -38,49 +39,6 @@ EXPLORE = 16  # steps after which a drafter not tried on a sequence is tried onc
 MARGIN = 1.02  # a drafter must be expected to beat plain decoding by this
 RUN = 8  # steps a costly drafter is expected to stay chosen: its catch-up read is spread over them
 READ_GUESS = 0.03  # seconds to read one token, as a fraction of one target step, until measured
-
-
-DEPTHS = 32  # depths counted apart; deeper drafts share the last depth's counts
-
-
-@dataclass
-class Tally:
-    """Discounted counts of one drafter's proposals by depth: drafts that reached depth d (the one above
-    accepted) and drafts accepted there."""
-
-    reached: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
-    accepted: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
-
-    def add(self, accepted: int, depth: int, decay: float = DECAY) -> None:
-        """One proposal of ``depth`` levels verified, ``accepted`` of them accepted along its path."""
-        for d in range(DEPTHS):
-            self.reached[d] *= decay
-            self.accepted[d] *= decay
-        for d in range(min(accepted + 1, depth)):
-            k = min(d, DEPTHS - 1)
-            self.reached[k] += 1
-            self.accepted[k] += d < accepted
-
-    def rates(self, prior: list[float], weight: float = PRIOR_WEIGHT) -> list[float]:
-        """r_d per depth, each pulled towards ``prior[d]`` as if seen ``weight`` times."""
-        return [(a + p * weight) / (n + weight) for a, n, p in zip(self.accepted, self.reached, prior)]
-
-    def own_rates(self, start: float = 0.5, weight: float = 2.0) -> list[float]:
-        """r_d per depth with no outside prior: depth 1 leans on ``start``, each deeper one on the one above."""
-        out, prev = [], start
-        for a, n in zip(self.accepted, self.reached):
-            prev = (a + prev * weight) / (n + weight)
-            out.append(prev)
-        return out
-
-
-def reach(rates: list[float], nodes: int) -> list[float]:
-    """The chance that a draft at each depth 1..nodes is accepted: the product of the rates down to it."""
-    out, p = [], 1.0
-    for d in range(nodes):
-        p *= rates[min(d, len(rates) - 1)]
-        out.append(p)
-    return out
 
 
 @dataclass
@@ -210,7 +168,7 @@ class AutoDrafter(Drafter):
     def rates(self, row: AutoRow, name: str) -> list[float]:
         prior = self.totals[name].own_rates()
         tally = row.tallies.get(name)
-        return [min(0.99, r) for r in (tally.rates(prior) if tally is not None else prior)]
+        return [min(0.99, r) for r in (tally.rates(prior, PRIOR_WEIGHT) if tally is not None else prior)]
 
     # -- learning -----------------------------------------------------------------------------------------
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
@@ -227,7 +185,7 @@ class AutoDrafter(Drafter):
             self.drafters[n].observe(ss, vs)
 
     def _count(self, row: AutoRow, name: str, accepted: int, depth: int) -> None:
-        row.tallies.setdefault(name, Tally()).add(accepted, depth)
+        row.tallies.setdefault(name, Tally()).add(accepted, depth, decay=DECAY)
         self.totals[name].add(accepted, depth, decay=1.0)
 
     @staticmethod

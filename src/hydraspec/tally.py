@@ -1,0 +1,53 @@
+"""Acceptance of drafts counted by depth, for the rules that decide how many drafts to verify (the per-row
+policy, hydraspec.adaptive, and the per-request choice, hydraspec.drafters.auto).
+
+r_d is the chance that a draft at depth d is accepted once the one above it was; a draft at depth d is worth
+r_1 ... r_d accepted tokens. One rate for every depth (a^d, the geometric model of Leviathan et al. 2023) is
+the special case r_d = a: it cuts the deep drafts of a long match (a repeated answer, a copied span) that are
+accepted whole far more often than a^d says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEPTHS = 32  # depths counted apart; deeper drafts share the last depth's counts
+
+
+@dataclass
+class Tally:
+    """Counts of proposals by depth, each older observation weighted by ``decay`` per new one: drafts that
+    reached depth d (the one above accepted) and drafts accepted there."""
+
+    reached: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
+    accepted: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
+
+    def add(self, accepted: int, depth: int, decay: float = 1.0) -> None:
+        """One proposal of ``depth`` levels verified, ``accepted`` of them accepted along its path."""
+        if decay != 1.0:
+            self.reached = [x * decay for x in self.reached]
+            self.accepted = [x * decay for x in self.accepted]
+        for d in range(min(accepted + 1, depth)):
+            k = min(d, DEPTHS - 1)
+            self.reached[k] += 1
+            self.accepted[k] += d < accepted
+
+    def rates(self, prior: list[float], weight: float) -> list[float]:
+        """r_d per depth, each pulled towards ``prior[d]`` as if seen ``weight`` times."""
+        return [(a + p * weight) / (n + weight) for a, n, p in zip(self.accepted, self.reached, prior)]
+
+    def own_rates(self, start: float = 0.5, weight: float = 2.0) -> list[float]:
+        """r_d per depth with no outside prior: depth 1 leans on ``start``, each deeper one on the one above."""
+        out, prev = [], start
+        for a, n in zip(self.accepted, self.reached):
+            prev = (a + prev * weight) / (n + weight)
+            out.append(prev)
+        return out
+
+
+def reach(rates: list[float], nodes: int) -> list[float]:
+    """The chance that a draft at each depth 1..nodes is accepted: the product of the rates down to it."""
+    out, p = [], 1.0
+    for d in range(nodes):
+        p *= rates[min(d, len(rates) - 1)]
+        out.append(p)
+    return out
