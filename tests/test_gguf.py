@@ -165,7 +165,9 @@ def _write_tiny_llama(path, types, output: str | None = None):
     w.close()
 
 
-def test_loader_maps_every_tensor_as_transformers_does(tmp_path):
+@pytest.mark.parametrize("types", [["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1", "Q5_K", "Q4_0", "Q5_1"],
+                                   ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]])
+def test_loader_maps_every_tensor_as_transformers_does(tmp_path, types):
     """build_model holds each weight at the file's precision, and its dequantization equals the tensor
     transformers' own GGUF loader makes (names, llama's q/k row order, tied embeddings)."""
     from transformers import LlamaConfig
@@ -174,7 +176,7 @@ def test_loader_maps_every_tensor_as_transformers_does(tmp_path):
     from hydraspec.cpu.gguf_load import build_model
 
     path = tmp_path / "tiny.gguf"
-    _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1", "Q5_K", "Q4_0", "Q5_1"])
+    _write_tiny_llama(path, types)
     config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=True)

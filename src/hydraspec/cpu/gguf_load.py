@@ -146,6 +146,9 @@ def _install(model: nn.Module, quantized: dict, dense: dict, dtype: torch.dtype,
         mod = model.get_submodule(mod_name)
         keep = torch.float32 if isinstance(mod, GGUFLinear) else dtype
         setattr(mod, pname, nn.Parameter(tensor.to(keep), requires_grad=False))
+    out = model.get_output_embeddings()
+    if out_name and out_name not in quantized and f"{out_name}.weight" not in dense and in_name not in quantized:
+        out.weight = model.get_input_embeddings().weight  # tied float embeddings (an F16 / BF16 file)
 
 
 def build_model(gguf_file, config, dtype: torch.dtype, attn_implementation: str | None = None,
