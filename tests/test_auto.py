@@ -31,15 +31,18 @@ def test_suffix_trie_counts_matches_and_speculates_by_frequency():
     trie = SuffixTrie(depth=4)
     trie.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
     node, m = trie.match([9, 1, 2])
-    assert m == 2 and {t: k.count for t, k in node.kids.items()} == {3: 2, 4: 1}
-    spec = speculate(node, budget=8, min_prob=0.0)
+    assert m == 2 and {t: trie.count[k] for t, k in trie.kids[node].items()} == {3: 2, 4: 1}
+    spec = speculate(trie, node, budget=8, min_prob=0.0)
     assert spec.tokens[:2] == [3, 4] and spec.probs[0] == pytest.approx(2 / 3) and spec.parents[:2] == [-1, -1]
-    chain = speculate(node, budget=8, min_prob=0.0, chain_only=True)
+    chain = speculate(trie, node, budget=8, min_prob=0.0, chain_only=True)
     assert chain.tokens[0] == 3 and all(p == i - 1 for i, p in enumerate(chain.parents))
-    assert speculate(node, budget=8, min_prob=0.5).tokens == [3, 1]  # 4 (1/3) left out; 3 -> 1 (2/3 * 1/1)
+    assert speculate(trie, node, budget=8, min_prob=0.5).tokens == [3, 1]  # 4 (1/3) left out; 3 -> 1 (2/3 * 1/1)
     assert trie.match([7, 8])[0] is None
     trie.remove([1, 2, 3, 1, 2, 4, 1, 2, 3])
-    assert trie.tokens == 0 and not trie.root.kids
+    assert trie.tokens == 0 and not trie.kids[trie.ROOT]
+    size = len(trie.count)
+    trie.add([5, 6])  # removed nodes' ids are used again
+    assert len(trie.count) == size and trie.match([5])[1] == 1
 
 
 def test_suffix_trie_extends_a_sequence_as_adding_it_whole():
@@ -50,9 +53,21 @@ def test_suffix_trie_extends_a_sequence_as_adding_it_whole():
     for t in seq:
         active = grown.extend(active, t)
 
-    def dump(node, path=()):
-        return {path: node.count} | {k: v for t, kid in node.kids.items() for k, v in dump(kid, path + (t,)).items()}
-    assert dump(grown.root) == dump(whole.root)
+    def dump(trie, node=0, path=()):
+        return {path: trie.count[node]} | {k: v for t, kid in trie.kids[node].items()
+                                           for k, v in dump(trie, kid, path + (t,)).items()}
+    assert dump(grown) == dump(whole)
+
+
+def test_suffix_tries_add_nothing_for_the_garbage_collector_to_walk():
+    import gc
+
+    trie = SuffixTrie(depth=8)
+    active = []
+    for t in range(3000):
+        active = trie.extend(active, t % 97)
+    assert len(trie.count) > 700
+    assert not any(gc.is_tracked(k) for k in trie.kids)
 
 
 def test_shared_answers_stay_within_their_token_bound():

@@ -24,21 +24,36 @@ from ..tree import DraftTree
 from .base import DecodeState, Drafter, RowStates, Verdict
 
 
-class Node:
-    __slots__ = ("count", "kids")
-
-    def __init__(self):
-        self.count = 0
-        self.kids: dict[int, Node] = {}
-
-
 class SuffixTrie:
-    """Every suffix of every sequence added, cut to ``depth`` tokens; nodes count their occurrences."""
+    """Every suffix of every sequence added, cut to ``depth`` tokens; nodes count their occurrences.
+
+    Nodes are integer ids (0 is the root) into two lists: each node's children, a dict of token -> node, and
+    its count; the ids of removed nodes are reused. The dicts hold only integers, so Python's garbage
+    collector never tracks them: a server's tries of millions of nodes add nothing to its collections (as
+    objects, each full collection walked them all, a pause of half a second and more between two tokens)."""
+
+    ROOT = 0
 
     def __init__(self, depth: int = 24):
         self.depth = depth
-        self.root = Node()
+        self.kids: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+        self.free: list[int] = []
         self.tokens = 0  # tokens added and not removed
+
+    def child(self, node: int, token: int) -> int:
+        """The child of ``node`` by ``token``, made (with count 0) if there is none."""
+        kid = self.kids[node].get(token)
+        if kid is None:
+            if self.free:
+                kid = self.free.pop()
+                self.kids[kid], self.count[kid] = {}, 0
+            else:
+                kid = len(self.count)
+                self.kids.append({})
+                self.count.append(0)
+            self.kids[node][token] = kid
+        return kid
 
     def add(self, seq: list[int]) -> None:
         self._walk(seq, +1)
@@ -48,41 +63,46 @@ class SuffixTrie:
 
     def _walk(self, seq: list[int], step: int) -> None:
         for i in range(len(seq)):
-            node = self.root
+            node = self.ROOT
             for t in seq[i:i + self.depth]:
-                nxt = node.kids.get(t)
-                if nxt is None:
-                    nxt = node.kids[t] = Node()
-                nxt.count += step
-                if nxt.count <= 0:
-                    del node.kids[t]
+                nxt = self.child(node, t)
+                self.count[nxt] += step
+                if self.count[nxt] <= 0:
+                    del self.kids[node][t]
+                    self._drop(nxt)
                     break
                 node = nxt
         self.tokens += step * len(seq)
 
-    def extend(self, active: list[Node], token: int) -> list[Node]:
+    def _drop(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(self.kids[n].values())
+            self.kids[n] = {}
+            self.free.append(n)
+
+    def extend(self, active: list[int], token: int) -> list[int]:
         """Append ``token`` to a sequence whose open suffixes end at ``active`` (the nodes of its last
         depth - 1 suffixes, longest first); returns the new open suffixes."""
         out = []
-        for node in active + [self.root]:
-            nxt = node.kids.get(token)
-            if nxt is None:
-                nxt = node.kids[token] = Node()
-            nxt.count += 1
+        for node in active + [self.ROOT]:
+            nxt = self.child(node, token)
+            self.count[nxt] += 1
             out.append(nxt)
         self.tokens += 1
         return out[-(self.depth - 1):] if self.depth > 1 else []
 
-    def match(self, context: list[int]) -> tuple[Node | None, int]:
+    def match(self, context: list[int]) -> tuple[int | None, int]:
         """The node of the longest suffix of ``context`` (at most depth - 1 tokens) that has a continuation,
         and its length."""
         for m in range(min(self.depth - 1, len(context)), 0, -1):
-            node = self.root
+            node = self.ROOT
             for t in context[len(context) - m:]:
-                node = node.kids.get(t)
+                node = self.kids[node].get(t)
                 if node is None:
                     break
-            if node is not None and node.kids:
+            if node is not None and self.kids[node]:
                 return node, m
         return None, 0
 
@@ -98,20 +118,20 @@ class Speculation:
         return sum(self.probs)
 
 
-def speculate(node: Node, budget: int, min_prob: float, chain_only: bool = False) -> Speculation:
-    """A tree of at most ``budget`` nodes below ``node``, grown best first by path probability (a child's
-    count over the sum of its siblings' counts, times its parent's), nodes below ``min_prob`` left out; BFS
-    order. ``chain_only``: the most probable path."""
+def speculate(trie: SuffixTrie, node: int, budget: int, min_prob: float, chain_only: bool = False) -> Speculation:
+    """A tree of at most ``budget`` nodes below ``node`` of ``trie``, grown best first by path probability (a
+    child's count over the sum of its siblings' counts, times its parent's), nodes below ``min_prob`` left out;
+    BFS order. ``chain_only``: the most probable path."""
     made: list[tuple[int, int, float, int]] = []  # (token, parent index, path prob, depth)
     heap = [(-1.0, 0, -1, node)]  # (-prob, tie, parent index, node)
     tie = 1
     while heap and len(made) < budget:
         neg, _, _, cur = heapq.heappop(heap)
         idx = len(made) - 1
-        total = sum(k.count for k in cur.kids.values())
-        kids = sorted(cur.kids.items(), key=lambda kv: -kv[1].count)[: 1 if chain_only else None]
+        total = sum(trie.count[k] for k in trie.kids[cur].values())
+        kids = sorted(trie.kids[cur].items(), key=lambda kv: -trie.count[kv[1]])[: 1 if chain_only else None]
         for t, kid in kids:
-            p = -neg * kid.count / total
+            p = -neg * trie.count[kid] / total
             if p < min_prob:
                 break
             made.append((t, idx, p, 0 if idx < 0 else made[idx][3] + 1))
@@ -159,7 +179,7 @@ class SharedAnswers:
 @dataclass
 class SuffixRow:
     trie: SuffixTrie
-    active: list[Node]
+    active: list[int]
     added: int  # tokens of the sequence in its own trie
     probs: list[float] = field(default_factory=list)  # the last proposal's node probabilities
 
@@ -208,7 +228,7 @@ class SuffixDrafter(Drafter):
             if node is None:
                 continue
             budget = min(self.max_tokens, max(1, int(self.alpha * m)))
-            spec = speculate(node, budget, floor, chain_only=not state.sampling.greedy)
+            spec = speculate(trie, node, budget, floor, chain_only=not state.sampling.greedy)
             if spec.score > best.score:
                 best = spec
         row.probs = best.probs
