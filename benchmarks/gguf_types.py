@@ -12,13 +12,11 @@ hydraspec cannot hold at its precision is listed with the refusal.
 import argparse
 import json
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
-from hydraspec.bench.llamacpp import server_binary
+from hydraspec.bench.llamacpp import LlamaServer, request_body, server_binary, server_command, tool
 from hydraspec.errors import HydraspecError
 from hydraspec.generator import SpeculativeGenerator
 from hydraspec.models import compile_models, gguf_file, load_model
@@ -27,30 +25,14 @@ from hydraspec.models import compile_models, gguf_file, load_model
 def quantize(source: Path, kind: str, out: Path) -> Path:
     path = out / f"{source.stem}-{kind}.gguf"
     if not path.exists():
-        tool = server_binary().with_name("llama-quantize")
-        subprocess.run([str(tool), "--allow-requantize", str(source), str(path), kind, "2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run([str(tool("llama-quantize")), "--allow-requantize", str(source), str(path), kind, "2"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return path
 
 
-def start_server(path: Path, port: int) -> subprocess.Popen:
-    server = subprocess.Popen([str(server_binary()), "-m", str(path), "-t", "2", "-tb", "2", "-c", "2048", "-np", "1",
-                               "--port", str(port), "--no-warmup"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(120):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return server
-        except OSError:
-            time.sleep(1)
-    server.kill()
-    raise RuntimeError(f"llama-server did not start on {path}")
-
-
-def llama_ms(port: int, ids: list[int], tokens: int) -> float:
-    body = json.dumps({"prompt": ids, "n_predict": tokens, "temperature": 0, "cache_prompt": False,
-                       "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req).read())["timings"]["predicted_per_token_ms"]
+def llama_ms(server: LlamaServer, ids: list[int], tokens: int) -> float:
+    body = {**request_body(ids, tokens, 0.0, None), "ignore_eos": True}
+    return server.complete(body)["timings"]["predicted_per_token_ms"]
 
 
 def ours_ms(gen: SpeculativeGenerator, ids: list[int], tokens: int) -> float:
@@ -67,15 +49,14 @@ def measure(path: Path, a) -> dict:
     compile_models(model, how=a.compile)
     gen = SpeculativeGenerator(model, tok)
     ids = gen.encode(a.prompt)
-    server = start_server(path, a.port)
+    server = LlamaServer(server_command(server_binary(), str(path), 2, 0, "ar"), Path(a.dir) / "llama-server.log")
     try:
         ours, llama = [], []
         for _ in range(a.rounds):
             ours.append(ours_ms(gen, ids, a.tokens))
-            llama.append(llama_ms(a.port, ids, a.tokens))
+            llama.append(llama_ms(server, ids, a.tokens))
     finally:
-        server.kill()
-        server.wait()
+        server.close()
     return {**row, "ours_ms": min(ours), "llama_ms": min(llama)}
 
 
@@ -99,7 +80,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--compile", action="store_true", help="compile our decoding steps (as bench and serve do)")
-    ap.add_argument("--port", type=int, default=8932)
     ap.add_argument("--prompt", default="Write a Python function that sorts a list of integers with merge sort, "
                                         "and explain it.")
     a = ap.parse_args()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .drafters.base import DecodeState
-from .tally import Tally
+from .tally import Tally, shadow_accepted
 from .tree import DraftTree
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
@@ -84,11 +84,8 @@ class AcceptanceBook:
 
     def _score_shadow(self, s: RowStep) -> None:
         at, tokens = self.shadows[s.key]
-        seen = s.tokens[at:]
-        m = 0
-        while m < min(len(seen), len(tokens)) and seen[m] == tokens[m]:
-            m += 1
-        if m == len(tokens) or m < len(seen):  # all of it would have been accepted, or a token differs
+        m = shadow_accepted(tokens, s.tokens[at:])
+        if m is not None:
             self.count(s.key, m, len(tokens))
             del self.shadows[s.key]
 

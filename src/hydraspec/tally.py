@@ -51,3 +51,13 @@ def reach(rates: list[float], nodes: int) -> list[float]:
         p *= rates[min(d, len(rates) - 1)]
         out.append(p)
     return out
+
+
+def shadow_accepted(tokens: list[int], seen: list[int]) -> int | None:
+    """How many of an unverified chain's ``tokens`` greedy verification would have accepted, given the tokens
+    ``seen`` decoded since it was proposed (they equal the target's own), or None while that is not yet
+    known (every token seen so far matched and the chain goes on)."""
+    m = 0
+    while m < min(len(seen), len(tokens)) and seen[m] == tokens[m]:
+        m += 1
+    return m if m == len(tokens) or m < len(seen) else None

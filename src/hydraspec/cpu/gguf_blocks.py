@@ -1,8 +1,8 @@
 """llama.cpp's GGUF block formats decoded into integer codes with their scales (:class:`QuantWeight`), as
 :mod:`hydraspec.cpu.gguf` holds them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and
-IQ4_XS (the 2- and 3-bit codes kept in the 4-bit form, the non-linear IQ4 values in the 8-bit one). ``scale`` and ``min``
-are computed in float32 as gguf-py computes them, so :meth:`QuantWeight.dequantize` equals ``gguf.dequantize``
-bit for bit."""
+IQ4_XS (the 2- and 3-bit codes kept in the 4-bit form, the non-linear IQ4 values in the 8-bit one).
+``scale`` and ``min`` are computed in float32 as gguf-py computes them, so :meth:`QuantWeight.dequantize`
+equals ``gguf.dequantize`` bit for bit."""
 from __future__ import annotations
 
 from dataclasses import dataclass

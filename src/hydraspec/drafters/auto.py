@@ -18,17 +18,17 @@ have accepted), so their estimates stay current at no cost. A drafter with a for
 when chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could
 beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
 drafter with a forward of its own first reads every token it has not seen (on first use, the whole prompt),
-at its measured seconds per token read, and its step may give fewer tokens per second than the best option. With R rows in the step a row's option is worth (R + expected extra
-tokens) / (c(R + its nodes) + its drafting seconds), the batch's tokens per second if only this row
-drafted; plain decoding is R / c(R). A costly drafter's proposal is cut to the nodes that pay, as a cheap
-one's is. The output never depends on the choice: every proposal is verified by the target.
+at its measured seconds per token read, and its step may give fewer tokens per second than the best
+option. With R rows in the step a row's option is worth (R + expected extra tokens) / (c(R + its nodes) +
+its drafting seconds), the batch's tokens per second if only this row drafted; plain decoding is R / c(R).
+A costly drafter's proposal is cut to the nodes that pay, as a cheap one's is. The output never depends on the choice: every proposal is verified by the target.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from ..tally import Tally, reach
+from ..tally import Tally, reach, shadow_accepted
 from ..tree import DraftTree, shape_of
 from ..verify_cost import Curve
 from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of
@@ -140,11 +140,12 @@ class AutoDrafter(Drafter):
             rates, size = self.rates(row, n), max(1, round(self.sizes[n]))
             catch_up = self._gap(row, s, n) * (self.read[n] or READ_GUESS * c(1))
             step = c(R + size) + self.seconds[n]
-            value = (R + gain(rates, size)) / (step + catch_up / RUN)
+            expect = R + gain(rates, size)
+            value = expect / (step + catch_up / RUN)
             if row.tried.get(n, EXPLORE) >= EXPLORE:
                 hope = (R + gain([min(0.95, r + 0.2) for r in rates], size)) / step
                 left = max(0, capacity_of(s) - len(s.tokens) - self.max_nodes)
-                loss = catch_up + max(0.0, step - (R + gain(rates, size)) / best)  # if it does no better than now
+                loss = catch_up + max(0.0, step - expect / best)  # if it does no better than now
                 if hope > best and 0.5 * R * left * (1 / best - 1 / hope) > loss:
                     value = max(value, best * 1.0001)  # worth one try: it may pay back its catch-up
             if value > best:
@@ -199,11 +200,8 @@ class AutoDrafter(Drafter):
 
     def _score_shadows(self, row: AutoRow, s: DecodeState) -> None:
         for n, (at, tokens) in list(row.shadows.items()):
-            seen = s.tokens[at:]
-            m = 0
-            while m < min(len(seen), len(tokens)) and seen[m] == tokens[m]:
-                m += 1
-            if m == len(tokens) or m < len(seen):
+            m = shadow_accepted(tokens, s.tokens[at:])
+            if m is not None:
                 self._count(row, n, m, len(tokens))
                 del row.shadows[n]
 
