@@ -408,6 +408,15 @@ def test_bench_serve_multi_turn_resends_the_conversation_with_the_servers_answer
     assert "later turns' TTFT" in table([r], "x")
 
 
+def test_bench_serve_keeps_levels_measured_on_other_server_starts(tmp_path):
+    """A level measured again replaces the stored one; the others stay, in client order, open loop last."""
+    from hydraspec.bench.serve_load import merge_levels
+
+    old = [{"concurrency": 8, "v": 1}, {"concurrency": "2/s", "v": 1}, {"concurrency": 1, "v": 1}]
+    rows = merge_levels(old, [{"concurrency": 2, "v": 2}, {"concurrency": 8, "v": 2}])
+    assert [(r["concurrency"], r["v"]) for r in rows] == [(1, 1), (2, 2), (8, 2), ("2/s", 1)]
+
+
 def test_shutdown_mid_request_is_an_error_not_a_finished_answer():
     """Rows cancelled by a shutdown end with an OpenAI-style error (503, code "cancelled"; an error event in a
     stream), never with finish_reason "stop" as if the answer were complete."""

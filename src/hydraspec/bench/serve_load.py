@@ -175,7 +175,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # heavy
 
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for label, rows in runs.items():
         rows = [r for r in rows if isinstance(r["concurrency"], int)]  # open-loop runs are in the table only
         c = [r["concurrency"] for r in rows]
@@ -183,15 +183,29 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         line, = ax[1].plot(c, [r["itl_p50_ms"] for r in rows], marker="o", label=f"{label} p50")
         ax[1].plot(c, [r["itl_p99_ms"] for r in rows], marker="x", ls="--", color=line.get_color(),
                    label=f"{label} p99")
+        key = "later_ttft_p50_s" if any("later_ttft_p50_s" in r for r in rows) else "ttft_p50_s"
+        ax[2].plot(c, [r.get(key, 0) for r in rows], marker="o", label=label)
+        ax[2].set_title("Time to first token, p50" + (" (later turns)" if key.startswith("later") else ""))
     ax[0].set(xlabel="concurrent clients", ylabel="tokens/s (all clients)", xscale="log", title="Throughput")
     ax[1].set(xlabel="concurrent clients", ylabel="inter-token latency (ms)", xscale="log", yscale="log",
-              title="Latency")
+              title="Inter-token latency")
+    ax[2].set(xlabel="concurrent clients", ylabel="seconds", xscale="log")
+    levels = sorted({r["concurrency"] for rows in runs.values() for r in rows if isinstance(r["concurrency"], int)})
     for a in ax:
+        a.set_xticks(levels, [str(n) for n in levels])
+        a.minorticks_off()
         a.grid(alpha=0.3)
         a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def merge_levels(old: list[dict], new: list[dict]) -> list[dict]:
+    """A server's rows, earlier runs' levels kept unless measured again (so each level can run on a freshly
+    started server), closed-loop levels in client order, open-loop rates after them."""
+    rows = {r["concurrency"]: r for r in old} | {r["concurrency"]: r for r in new}
+    return sorted(rows.values(), key=lambda r: (isinstance(r["concurrency"], str), str(r["concurrency"]).zfill(8)))
 
 
 def run_bench_serve(args) -> int:
@@ -216,7 +230,7 @@ def run_bench_serve(args) -> int:
         rows.append(r)
         print(f"[{label}] concurrency {r['concurrency']}: {r['tokens_per_s']:.2f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
               f"ITL p50 {r['itl_p50_ms']:.1f} ms", flush=True)
-    runs[label] = rows
+    runs[label] = merge_levels(runs.get(label, []), rows)
     store.write_text(json.dumps(runs, indent=1))
     (out / "serve_results.md").write_text("\n\n".join(table(v, k) for k, v in runs.items()) + "\n")
     plot(runs, out / "serve_throughput.png")
