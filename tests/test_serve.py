@@ -301,6 +301,25 @@ def test_a_chat_through_the_prefix_cache_answers_as_without_it(method):
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
 
 
+def test_reset_prefix_cache_reads_the_next_prompt_cold_with_the_same_answer():
+    """POST /reset_prefix_cache (what bench-serve --reset sends) empties the prefix pool and the suffix
+    drafter's memory of earlier answers; a repeated request then reads its whole prompt, answering the same."""
+    from hydraspec.bench.serve_load import reset_cache
+    from hydraspec.drafters.suffix import SuffixDrafter
+
+    bg = BatchGenerator(target(), tokenizer(), SuffixDrafter())
+    with server("pld", prefix_tokens=2000) as (base, worker):
+        worker.engine.drafter = suffix = bg.drafter
+        c = client(base)
+        first, again = chat(c, PROMPTS[1], 10), chat(c, PROMPTS[1], 10)
+        assert suffix.shared.trie.tokens > 0 and again.usage.prompt_tokens_details.cached_tokens > 0
+        reset_cache(base, None)
+        cold = chat(c, PROMPTS[1], 10)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        assert suffix.shared.trie.tokens == 0  # the earlier answers are gone (an answer joins at the next proposal)
+        assert first.choices[0].message.content == again.choices[0].message.content == cold.choices[0].message.content
+
+
 def test_adaptive_rule_drafts_less_when_verify_cost_grows():
     from hydraspec.adaptive import AdaptiveDraft
 

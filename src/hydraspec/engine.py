@@ -178,6 +178,13 @@ class Engine:
     def cancel(self, req: Request) -> None:
         req.cancelled = True
 
+    def forget(self) -> None:
+        """Drop what finished requests left for later ones: the prefix pool's entries and the drafter's memory
+        of earlier answers (between steps; requests in flight are unaffected)."""
+        if self.prefix_pool is not None:
+            self.prefix_pool.clear()
+        self.drafter.forget()
+
     @property
     def busy(self) -> bool:
         return bool(self.active or self.waiting)

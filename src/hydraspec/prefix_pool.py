@@ -80,6 +80,11 @@ class PrefixPool:
         self._next += 1
         self.tokens += n
 
+    def clear(self) -> None:
+        """Drop every entry (the counters stay)."""
+        for key in list(self.entries):
+            self._drop(key)
+
     def _drop(self, key: int) -> None:
         self.tokens -= len(self.entries.pop(key).ids)
 

@@ -6,7 +6,8 @@ Each client sends streamed chat requests (greedy, ``max_tokens`` fixed) one afte
 next conversation of a shared list; the run at concurrency N ends when every conversation has been
 answered. With ``--turns N`` a conversation's turns go in order, each request re-sending the conversation
 so far with the server's own answers, as chat clients do; the time to first token of later turns is
-reported apart (what a prefix cache shortens). Tokens are counted from the final ``usage`` when the server
+reported apart (what a prefix cache shortens). ``--reset`` starts each level cold on a server that can drop
+its cache on request (hydraspec serve, vLLM: ``POST /reset_prefix_cache``). Tokens are counted from the final ``usage`` when the server
 sends it (``stream_options.include_usage``), else one per content chunk.
 """
 from __future__ import annotations
@@ -66,6 +67,20 @@ def one_request(url: str, model: str, messages: list[dict], max_tokens: int, api
     tokens = int(usage["completion_tokens"]) if usage and usage.get("completion_tokens") is not None else len(times)
     return {"tokens": tokens, "ttft_s": (times[0] - t0) if times else end - t0,
             "itl_s": [b - a for a, b in zip(times, times[1:])], "wall_s": end - t0, "text": "".join(text)}
+
+
+def reset_cache(url: str, api_key: str | None, timeout: float = 60.0) -> None:
+    """Ask the server to drop what earlier requests left (``POST /reset_prefix_cache``: hydraspec serve, vLLM),
+    so that the next run's prompts are read cold."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", data=b"", headers=headers, method="POST")
+    try:
+        urllib.request.urlopen(req, timeout=timeout).read()
+    except urllib.error.HTTPError as e:
+        raise HydraspecError(f"{url} cannot reset its cache (POST /reset_prefix_cache answered {e.code}); "
+                             "restart it before each level instead") from None
+    except urllib.error.URLError as e:
+        raise HydraspecError(f"cannot reach {url}: {e.reason}") from None
 
 
 def converse(url, model, turns: list[str], max_tokens, api_key, timeout) -> list[dict]:
@@ -225,6 +240,8 @@ def run_bench_serve(args) -> int:
     label = args.label or args.url
     rows = []
     for n in levels if args.rate is None else [args.rate]:
+        if args.reset:
+            reset_cache(args.url, args.api_key)
         r = run_level(args.url, args.model, prompts, n, args.max_tokens, args.api_key) if args.rate is None else \
             run_open(args.url, args.model, prompts, args.rate, args.max_tokens, args.api_key)
         rows.append(r)
@@ -253,6 +270,9 @@ def add_parser(subparsers) -> None:
                         "each on a client of its own")
     p.add_argument("--turns", type=int, default=1, help="turns of each conversation, in order, each request "
                                                          "re-sending the conversation so far (default 1)")
+    p.add_argument("--reset", action="store_true",
+                   help="before each level, ask the server to drop its prefix cache and memory of earlier answers "
+                        "(POST /reset_prefix_cache), so prompts seen at an earlier level are read cold again")
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default=None, help="name of this server's runs in the results (default: the URL)")
     p.add_argument("--out", required=True, help="directory; runs of several servers accumulate there")

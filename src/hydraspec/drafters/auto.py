@@ -185,6 +185,11 @@ class AutoDrafter(Drafter):
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
 
+    def forget(self) -> None:
+        """Each drafter's memory of earlier answers goes; what was learnt of their acceptance and cost stays."""
+        for d in self.drafters.values():
+            d.forget()
+
     def _count(self, row: AutoRow, name: str, accepted: int, depth: int) -> None:
         row.tallies.setdefault(name, Tally()).add(accepted, depth, decay=DECAY)
         self.totals[name].add(accepted, depth, decay=1.0)

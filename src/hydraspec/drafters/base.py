@@ -70,6 +70,9 @@ class Drafter:
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
         """verdicts[b]: how the last proposal for states[b] fared."""
 
+    def forget(self) -> None:
+        """Drop what finished sequences left for later ones (earlier answers); sequences in flight keep theirs."""
+
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding through the same engine: every tree is just the pending token."""

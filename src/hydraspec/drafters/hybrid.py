@@ -66,6 +66,9 @@ class LookupHybridDrafter(Drafter):
                 out[j] = merge(row, tree, chain)
         return out
 
+    def forget(self) -> None:
+        self.inner.forget()
+
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
         inner_s, inner_v = [], []
         for s, v in zip(states, verdicts):

@@ -237,6 +237,10 @@ class SuffixDrafter(Drafter):
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
         """Nothing to learn from a verdict; answers join the shared trie once their sequence is done."""
 
+    def forget(self) -> None:
+        self.rows.sweep()
+        self.shared = SharedAnswers(self.depth, self.shared.max_tokens)
+
     def _keep_answers(self) -> None:
         for key, (state, _) in self.rows.rows.items():
             if state.done:

@@ -124,6 +124,11 @@ def _add_endpoints(app: FastAPI, answers: Answers, worker: EngineWorker, tokeniz
     async def metrics():
         return PlainTextResponse(generate_latest(meter.registry).decode(), media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():  # vLLM's name: benchmarks start each run cold without a restart
+        worker.forget()
+        return {"status": "ok"}
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
         answers.check_model(body.model)

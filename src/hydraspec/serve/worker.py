@@ -94,6 +94,10 @@ class EngineWorker:
     def cancel(self, req: Request) -> None:
         self.inbox.put(("cancel", req))
 
+    def forget(self) -> None:
+        """At the next step boundary, the engine drops what earlier requests left (Engine.forget)."""
+        self.inbox.put(("forget", None))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel every running and waiting request, then end the thread."""
         with self.lock:
@@ -150,6 +154,8 @@ class EngineWorker:
                     log.error("request refused by the engine: %s", exc)
                     req.result = None
                     self._finish(req)
+            elif kind == "forget":
+                self.engine.forget()
             else:
                 self.engine.cancel(req)
             try:
