@@ -5,12 +5,13 @@ import torch
 import tiny
 from hydraspec import SpeculativeGenerator
 from hydraspec.drafters import make_auto, make_drafter
-from hydraspec.drafters.auto import AutoDrafter
+from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load
 from hydraspec.drafters.base import DecodeState, Verdict
 from hydraspec.drafters.prediction import PredictionDrafter
 from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, speculate
 from hydraspec.engine import Engine, Request
 from hydraspec.sampling import Sampling
+from hydraspec.tree import DraftTree, chain
 
 N = 24
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9, 4, 3, 9, 4, 3], [11, 2, 13, 4, 15, 6, 17]]
@@ -154,8 +155,6 @@ class Oracle:
         self.answer, self.plen, self.calls = answer, prompt_len, 0
 
     def propose(self, states):
-        from hydraspec.tree import DraftTree, chain
-
         self.calls += len(states)
         out = []
         for s in states:
@@ -218,4 +217,21 @@ def test_auto_keeps_deep_drafts_where_acceptance_holds_with_depth(all_or_nothing
     assert deep == pytest.approx(0.5 if all_or_nothing else 0.5 ** 8, abs=0.03)
     auto = AutoDrafter({}, {n: 1.0 + 0.1 * (n - 1) for n in (1, 2, 4, 8, 16)})
     offer = DraftTree(torch.arange(8), chain(8))
-    assert auto._best_cut(offer, rates, 1, 0.0)[0] == keeps
+    assert auto._best_cut(offer, rates, Load(1, 1), 0.0).keep == keeps
+
+
+@pytest.mark.parametrize("beside, most", [(0, 4), (4, 0)])
+def test_auto_rows_choose_on_the_forward_that_the_others_fill(beside, most):
+    """Four rows, each with an 8-token chain (accepted whole 4 times in 5), on a forward that costs the same up
+    to 8 tokens and three times that beyond: each row alone would verify 4 (16 in all: a forward of three
+    times the cost), together they keep to the flat part, and nothing is drafted where prompt chunks fill it."""
+    lookup = make_drafter("pld")
+    auto = AutoDrafter({"pld": lookup}, {1: 1.0, 8: 1.0, 9: 3.0, 40: 6.0})
+    for _ in range(200):
+        auto.totals["pld"].add(8 if _ % 5 else 0, 8, decay=1.0)
+    rows, offers = [AutoRow() for _ in range(4)], [{"pld": DraftTree(torch.arange(8), chain(8))} for _ in range(4)]
+    alone = auto._choose(rows[0], None, Load(4, 4), offers[0])
+    assert len(alone.tree) == 4
+    auto.beside = beside
+    chosen = [c for _, _, c in auto._in_turn(rows, [None] * 4, offers)]
+    assert sum(len(c.tree) for c in chosen) == most

@@ -94,8 +94,8 @@ def test_a_step_bound_keeps_every_forward_within_its_cost_and_answers_as_alone(t
         if not engine.prefill_chunk:
             pytest.skip("chunked prefill needs packed rows")
         rows = [0]
-        hook = m.register_forward_pre_hook(lambda mod, args, kw: seen.append((rows[0], kw["input_ids"].numel())),
-                                           with_kwargs=True)
+        hook = m.register_forward_pre_hook(lambda mod, args, kw: seen.append(
+            (rows[0], kw["input_ids"].numel(), cap.room(rows[0]) if rows[0] else 0)), with_kwargs=True)
         try:
             first = Request(PROMPTS_REPEAT, 40)
             engine.add(first)
@@ -108,13 +108,32 @@ def test_a_step_bound_keeps_every_forward_within_its_cost_and_answers_as_alone(t
                 engine.step()
         finally:
             hook.remove()
-        over = [(r, t) for r, t in seen if r and t > r + cap.room(r)]
+        over = [(r, t) for r, t, room in seen if r and t > r + room]
         if policy is cap:
             assert not over, over
             for r in (first, joining):
                 assert r.result.token_ids == alone(m, tok, method, r.ids, r.max_new_tokens)
         else:
             assert over
+
+
+def test_the_step_bound_follows_the_steps_own_times():
+    """A step with extra tokens that took longer than twice a plain one shrinks that row count's room by a
+    quarter; steps well within it that used the whole room grow it by a token; other row counts keep theirs."""
+    from hydraspec.policy import DraftPolicy, LatencyCap
+
+    cap = LatencyCap(DraftPolicy(), lambda n: 1.0 + 0.25 * (n - 1), 2.0)
+    assert cap.room(4) == 7 and cap.room(2) == 5
+    cap.learn(4, 4, 2.0)  # plain steps at 4 rows take 2 s, not the curve's 1.75
+    cap.learn(4, 11, 4.5)  # over 2 x 2 s
+    assert cap.room(4) == 5
+    cap.learn(4, 9, 4.5)
+    assert cap.room(4) == 3
+    for _ in range(3):
+        cap.learn(4, 4 + cap.room(4), 2.5)
+    assert cap.room(4) == 6 and cap.room(2) == 5
+    cap.learn(4, 5, 1.0)  # a step that did not fill the room says nothing about a larger one
+    assert cap.room(4) == 6
 
 
 PROMPTS_REPEAT = [5, 6, 7, 8, 9] * 6

@@ -299,6 +299,7 @@ class Engine:
         extra = sum(len(c) for c in rec.chunks.values())
         limit = self.policy.limit(len(rec.rows), extra)
         rec.drafted = limit != 0
+        self.drafter.beside = extra
         trees = self.drafter.propose(rec.states) if rec.drafted else [DraftTree.empty() for _ in rec.rows]
         trees = [self._fit(t, r, limit) for t, r in zip(trees, rec.rows)]
         rec.trees = self.policy.cut(trees, rec.states, extra) if rec.drafted else trees
@@ -398,8 +399,9 @@ class Engine:
             self.drafter.observe(rec.states, verdicts)
         steps = [RowStep(r.state.key, r.state.tokens, int(s.depth[-1]), len(acc.path) - 1, r.done)
                  for r, s, acc in zip(rec.rows, rec.shapes, rec.accepted)]
+        read = sum(len(n) for n in rec.nodes) + sum(len(c) for c in rec.chunks.values())
         self.policy.update(StepReport(len(rec.rows), max(len(t) for t in rec.trees), time.perf_counter() - rec.started,
-                                      sum(len(e) for e in rec.emitted), steps))
+                                      sum(len(e) for e in rec.emitted), steps, read))
         charge(rec.rows, "draft_s", time.perf_counter() - t0)
 
     # -- leaving --------------------------------------------------------------------------------------

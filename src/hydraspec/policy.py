@@ -33,13 +33,14 @@ class RowStep:
 @dataclass
 class StepReport:
     """One engine step: ``rows`` running rows that drafted up to ``drafted`` nodes each took ``seconds`` and
-    emitted ``emitted`` tokens."""
+    emitted ``emitted`` tokens; ``tokens``: the new tokens its forward read (trees and prompt chunks)."""
 
     rows: int
     drafted: int
     seconds: float
     emitted: int
     row_steps: list[RowStep]
+    tokens: int = 0
 
 
 class AcceptanceBook:
@@ -123,15 +124,19 @@ class BudgetPolicy(DraftPolicy):
 
 
 class LatencyCap(DraftPolicy):
-    """A server's bound on every step: its forward may cost at most ``ratio`` times a plain step of the rows
-    that decode, c(T) <= ratio * c(rows) on the measured verify cost ``cost`` (seconds by tokens), so that no
-    stream waits longer than that for its next tokens. A joining prompt's chunk takes the room first (at least
-    one token, so it always advances); the rows' drafts share what is left, on top of ``inner``'s rule.
-    Cutting drafts and chunks changes when tokens come, never which."""
+    """A server's bound on every step: it may take at most ``ratio`` times a plain step of the rows that
+    decode, so that no stream waits longer than that for its next tokens. The room beside one token a row
+    starts from the measured verify cost ``cost`` (seconds by tokens: c(T) <= ratio * c(rows)) and then
+    follows the steps' own times, as a step with prompt chunks and several rows can cost more than the
+    one-row curve says: a step over the bound shrinks its row count's room by a quarter, one well within it
+    grows the room by a token (plain steps, one token a row, set what a plain step takes). A joining prompt's
+    chunk takes the room first (at least one token, so it always advances); the rows' drafts share what is
+    left, on top of ``inner``'s rule. Cutting drafts and chunks changes when tokens come, never which."""
 
     def __init__(self, inner: DraftPolicy, cost: Callable[[float], float], ratio: float):
         self.inner, self.cost, self.ratio = inner, cost, ratio
         self.rooms: dict[int, int] = {}
+        self.plain: dict[int, float] = {}  # rows -> recent seconds of a plain step
 
     def room(self, rows: int) -> int:
         """Tokens a step of ``rows`` decoding rows may hold beyond one per row."""
@@ -141,6 +146,21 @@ class LatencyCap(DraftPolicy):
                 n += 1
             self.rooms[rows] = n - rows
         return self.rooms[rows]
+
+    def learn(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step of ``rows`` decoding rows that read ``tokens`` new tokens took ``seconds``."""
+        if rows < 1 or tokens < rows:
+            return
+        if tokens == rows:
+            old = self.plain.get(rows)
+            self.plain[rows] = seconds if old is None else 0.9 * old + 0.1 * seconds
+            return
+        bound = self.ratio * self.plain.get(rows, self.cost(rows))
+        room = self.room(rows)
+        if seconds > bound:
+            self.rooms[rows] = max(1, int(room * 0.75))
+        elif seconds < 0.8 * bound and tokens - rows >= room:
+            self.rooms[rows] = room + 1
 
     def prefill(self, rows: int, chunk: int) -> int:
         return min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))
@@ -154,4 +174,5 @@ class LatencyCap(DraftPolicy):
         return self.inner.cut(trees, states, extra)
 
     def update(self, report: StepReport) -> None:
+        self.learn(report.rows, report.tokens, report.seconds)
         self.inner.update(report)

@@ -19,9 +19,12 @@ when chosen; one not tried on a sequence for EXPLORE steps is tried once if its 
 beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
 drafter with a forward of its own first reads every token it has not seen (on first use, the whole prompt),
 at its measured seconds per token read, and its step may give fewer tokens per second than the best
-option. With R rows in the step a row's option is worth (R + expected extra tokens) / (c(R + its nodes) +
-its drafting seconds), the batch's tokens per second if only this row drafted; plain decoding is R / c(R).
-A costly drafter's proposal is cut to the nodes that pay, as a cheap one's is. The output never depends on the choice: every proposal is verified by the target.
+option. The rows choose in turn (the most promising first) on the batch's expected tokens per second: with
+T tokens already in the step's forward (one a row, the prompt chunks read beside them, the drafts of the
+rows that chose before) and E tokens expected from it, a row's option is worth (E + its expected extra
+tokens) / (c(T + its nodes) + drafting seconds), plain decoding E / c(T): a draft that pays alone does not
+when others already fill the forward. A costly drafter's proposal is cut to the nodes that pay, as a cheap
+one's is. The output never depends on the choice: every proposal is verified by the target.
 """
 from __future__ import annotations
 
@@ -39,6 +42,34 @@ EXPLORE = 16  # steps after which a drafter not tried on a sequence is tried onc
 MARGIN = 1.02  # a drafter must be expected to beat plain decoding by this
 RUN = 8  # steps a costly drafter is expected to stay chosen: its catch-up read is spread over them
 READ_GUESS = 0.03  # seconds to read one token, as a fraction of one target step, until measured
+
+
+@dataclass
+class Load:
+    """The step's forward as the rows have chosen so far: tokens in it, tokens expected from it, and the
+    drafting seconds it waits for."""
+
+    tokens: float
+    expect: float
+    seconds: float = 0.0
+
+    def add(self, nodes: int, gained: float, seconds: float) -> "Load":
+        return Load(self.tokens + nodes, self.expect + gained, self.seconds + seconds)
+
+
+@dataclass
+class Cut:
+    keep: int  # the offer's first nodes verified
+    rate: float  # the batch's expected tokens per second with them
+    gained: float  # the tokens they are expected to add
+
+
+@dataclass
+class Choice:
+    name: str | None  # the drafter (None: plain decoding)
+    tree: DraftTree  # a cheap drafter's proposal as cut (a costly one's comes later)
+    rate: float  # the batch's expected tokens per second
+    after: Load  # the step's load with this row's choice in it
 
 
 @dataclass
@@ -76,20 +107,20 @@ class AutoDrafter(Drafter):
         rows = [self.rows.of(s) for s in states]
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
-        offers = {n: self._timed(n, states) for n in self.cheap}
+        cheap = {n: self._timed(n, states) for n in self.cheap}
+        offers = [{n: t[b] for n, t in cheap.items()} for b in range(len(states))]
         out = [DraftTree.empty() for _ in states]
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
-        for b, (row, s) in enumerate(zip(rows, states)):
-            name, tree = self._choose(row, s, len(states), {n: t[b] for n, t in offers.items()})
-            row.chosen, out[b] = name, tree
-            if name in wants:
-                wants[name].append(b)
-            self._shadow(row, s, {n: t[b] for n, t in offers.items()}, name)
+        before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
+        for b, load, choice in self._in_turn(rows, states, offers):
+            before[b], rows[b].chosen, out[b] = load, choice.name, choice.tree
+            if choice.name in wants:
+                wants[choice.name].append(b)
+            self._shadow(rows[b], states[b], offers[b], choice.name)
         for n, picked in wants.items():
             if picked:
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
-                    keep, _ = self._best_cut(tree, self.rates(rows[b], n), len(states), self.seconds[n])
-                    out[b] = tree.head(keep)
+                    out[b] = tree.head(self._best_cut(tree, self.rates(rows[b], n), before[b], self.seconds[n]).keep)
         for row, tree in zip(rows, out):
             row.depths = shape_of(tree.with_root()).depth.tolist()[1:]
             for n in self.costly:
@@ -98,6 +129,17 @@ class AutoDrafter(Drafter):
                 elif n in row.tried:
                     row.tried[n] += 1
         return out
+
+    def _in_turn(self, rows: list[AutoRow], states: list[DecodeState], offers: list[dict[str, DraftTree]]):
+        """(row, the load it chose on, its Choice), the rows in order of what each would give alone (one a
+        row and the prompt chunks read beside them), the load growing by every row's choice."""
+        alone = Load(len(states) + self.beside, len(states))
+        order = sorted(range(len(states)), key=lambda b: -self._choose(rows[b], states[b], alone, offers[b]).rate)
+        load = alone
+        for b in order:
+            choice = self._choose(rows[b], states[b], load, offers[b])
+            yield b, load, choice
+            load = choice.after
 
     def _timed(self, name: str, states: list[DecodeState]) -> list[DraftTree]:
         t0 = time.perf_counter()
@@ -127,44 +169,45 @@ class AutoDrafter(Drafter):
         """Tokens a costly drafter must read before it proposes, beyond a usual step's few."""
         return max(0, len(s.tokens) - row.seen.get(name, 0) - round(self.sizes[name]) - 1)
 
-    def _choose(self, row: AutoRow, s: DecodeState, R: int,
-                offers: dict[str, DraftTree]) -> tuple[str | None, DraftTree]:
-        """The option with the most expected tokens per second of the batch (see the module docstring)."""
+    def _choose(self, row: AutoRow, s: DecodeState, load: Load, offers: dict[str, DraftTree]) -> Choice:
+        """The option with the most expected tokens per second of the batch on ``load`` (see the module
+        docstring)."""
         c = self.cost
-        best, pick, tree = R / c(R) * MARGIN, None, DraftTree.empty()
+        best = Choice(None, DraftTree.empty(), load.expect / (c(load.tokens) + load.seconds) * MARGIN, load)
         for n, offer in offers.items():
-            n_keep, value = self._best_cut(offer, self.rates(row, n), R, self.seconds[n])
-            if value > best:
-                best, pick, tree = value, n, offer.head(n_keep)
+            cut = self._best_cut(offer, self.rates(row, n), load, self.seconds[n])
+            if cut.rate > best.rate:
+                best = Choice(n, offer.head(cut.keep), cut.rate, load.add(cut.keep, cut.gained, self.seconds[n]))
         for n in self.costly:
             rates, size = self.rates(row, n), max(1, round(self.sizes[n]))
             catch_up = self._gap(row, s, n) * (self.read[n] or READ_GUESS * c(1))
-            step = c(R + size) + self.seconds[n]
-            expect = R + gain(rates, size)
-            value = expect / (step + catch_up / RUN)
+            step = c(load.tokens + size) + load.seconds + self.seconds[n]
+            gained = gain(rates, size)
+            value = (load.expect + gained) / (step + catch_up / RUN)
             if row.tried.get(n, EXPLORE) >= EXPLORE:
-                hope = (R + gain([min(0.95, r + 0.2) for r in rates], size)) / step
+                hope = (load.expect + gain([min(0.95, r + 0.2) for r in rates], size)) / step
                 left = max(0, capacity_of(s) - len(s.tokens) - self.max_nodes)
-                loss = catch_up + max(0.0, step - expect / best)  # if it does no better than now
-                if hope > best and 0.5 * R * left * (1 / best - 1 / hope) > loss:
-                    value = max(value, best * 1.0001)  # worth one try: it may pay back its catch-up
-            if value > best:
-                best, pick, tree = value, n, DraftTree.empty()
-        return pick, tree
+                loss = catch_up + max(0.0, step - (load.expect + gained) / best.rate)  # if it does no better
+                if hope > best.rate and 0.5 * load.expect * left * (1 / best.rate - 1 / hope) > loss:
+                    value = max(value, best.rate * 1.0001)  # worth one try: it may pay back its catch-up
+            if value > best.rate:
+                best = Choice(n, DraftTree.empty(), value, load.add(size, gained, self.seconds[n]))
+        return best
 
-    def _best_cut(self, offer: DraftTree, rates: list[float], R: int, seconds: float) -> tuple[int, float]:
-        """How many of the offer's first nodes to verify, and the batch's expected tokens per second."""
+    def _best_cut(self, offer: DraftTree, rates: list[float], load: Load, seconds: float) -> Cut:
+        """How many of the offer's first nodes to verify on ``load``: the batch's expected tokens per second
+        with them, and the tokens they are expected to add."""
         if not len(offer):
-            return 0, 0.0
+            return Cut(0, 0.0, 0.0)
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
         p = reach(rates, max(depth))
-        c, best, keep, value = self.cost, 0.0, 0, float(R)
+        c, best, value = self.cost, Cut(0, 0.0, 0.0), load.expect
         for i, d in enumerate(depth):
             value += p[d - 1]
-            v = value / (c(R + i + 1) + seconds)
-            if v > best:
-                best, keep = v, i + 1
-        return keep, best
+            v = value / (c(load.tokens + i + 1) + load.seconds + seconds)
+            if v > best.rate:
+                best = Cut(i + 1, v, value - load.expect)
+        return best
 
     def rates(self, row: AutoRow, name: str) -> list[float]:
         prior = self.totals[name].own_rates()

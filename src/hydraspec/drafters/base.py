@@ -56,13 +56,16 @@ class Drafter:
     name: the method's name. max_nodes: an upper bound on the size of any proposed tree. needs_hidden: the
     drafter reads the target's hidden states (DecodeState.hidden / new_hidden). cheap: proposing costs next
     to nothing (no model forward), so a load rule may let it always propose. paced: it sizes its proposals
-    by their measured cost itself, so no load rule cuts them."""
+    by their measured cost itself, so no load rule cuts them. beside: prompt tokens that joining rows read in
+    the same forward as the proposals (set by the engine before each ``propose``; a paced drafter counts them
+    in the step's cost)."""
 
     name = "ar"
     needs_hidden = False
     max_nodes = 0
     cheap = False
     paced = False
+    beside = 0
 
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         return [DraftTree.empty() for _ in states]
