@@ -134,10 +134,10 @@ class AutoDrafter(Drafter):
         """(row, the load it chose on, its Choice), the rows in order of what each would give alone (one a
         row and the prompt chunks read beside them), the load growing by every row's choice."""
         alone = Load(len(states) + self.beside, len(states))
-        order = sorted(range(len(states)), key=lambda b: -self._choose(rows[b], states[b], alone, offers[b]).rate)
+        first = [self._choose(rows[b], states[b], alone, offers[b]) for b in range(len(states))]
         load = alone
-        for b in order:
-            choice = self._choose(rows[b], states[b], load, offers[b])
+        for b in sorted(range(len(states)), key=lambda b: -first[b].rate):
+            choice = first[b] if load is alone else self._choose(rows[b], states[b], load, offers[b])
             yield b, load, choice
             load = choice.after
 
