@@ -235,3 +235,51 @@ def test_auto_rows_choose_on_the_forward_that_the_others_fill(beside, most):
     auto.beside = beside
     chosen = [c for _, _, c in auto._in_turn(rows, [None] * 4, offers)]
     assert sum(len(c.tree) for c in chosen) == most
+
+
+class Chains:
+    """A cheap drafter offering every row the same 8-token chain."""
+
+    name, cheap, needs_hidden, max_nodes = "chains", True, False, 8
+
+    def propose(self, states):
+        return [DraftTree(torch.arange(8), chain(8)) for _ in states]
+
+    def observe(self, states, verdicts):
+        pass
+
+
+@pytest.mark.parametrize("learnt, drafts", [(False, True), (True, False)])
+def test_auto_in_a_batch_weighs_drafts_on_what_packed_steps_cost(learnt, drafts):
+    """Four rows with chains accepted whole 4 times in 5, on a one-row curve that is flat to 32 tokens: they
+    draft. Once packed steps of four rows have been seen to cost a whole step per token, they do not: a
+    batch's drafts are weighed on what its steps cost, not on the one-row curve."""
+    auto = AutoDrafter({"chains": Chains()}, {1: 1.0, 32: 1.0})
+    for i in range(200):
+        auto.totals["chains"].add(8 if i % 5 else 0, 8, decay=1.0)
+    if learnt:
+        for i in range(60):
+            tokens = 4 + i % 9
+            auto.step_took(4, tokens, 1.0 * tokens)
+    states = [DecodeState([5, 6, 7, 8 + b], 4, Sampling(), capacity=64) for b in range(4)]
+    trees = auto.propose(states)
+    assert (sum(len(t) for t in trees) > 0) == drafts
+
+
+def test_packed_cost_starts_from_the_curve_and_follows_the_steps():
+    """No steps seen: the one-row curve. After packed steps that cost 0.5 + 0.1 a token + 0.05 a row (and a
+    little noise), the fit predicts them; never below the curve."""
+    from hydraspec.packed_cost import PackedCost
+    from hydraspec.verify_cost import Curve
+
+    curve = Curve({1: 0.1, 4: 0.12, 16: 0.3})
+    packed = PackedCost(curve)
+    assert packed.cost(2)(4) == pytest.approx(curve(4), rel=0.15)
+    g = torch.Generator().manual_seed(0)
+    for i in range(300):
+        rows, tokens = 2 + i % 7, 2 + (i * 5) % 23
+        truth = 0.5 + 0.1 * tokens + 0.05 * (rows - 1)
+        packed.learn(rows, tokens, truth * (1 + 0.02 * float(torch.randn(1, generator=g))))
+    for rows, tokens in ((2, 3), (8, 20), (5, 12)):
+        assert packed.cost(rows)(tokens) == pytest.approx(0.5 + 0.1 * tokens + 0.05 * (rows - 1), rel=0.05)
+    assert packed.cost(2)(0.5) >= curve(0.5)

@@ -4,7 +4,9 @@ A sequence holds every drafter available (prompt lookup always; suffix decoding;
 predicted output where given) and each step takes the one expected to give the most tokens per second,
 or none (plain decoding). What decides, all measured on this machine and this sequence:
 
-- the verify cost curve c(n): one target forward over n new tokens (hydraspec.verify_cost);
+- the verify cost curve c(n): one target forward over n new tokens (hydraspec.verify_cost), measured on one
+  row; a step of several rows, or of one beside a prompt chunk, runs packed and costs more per token: there
+  c(n) is the packed steps' own cost, learnt from their times (hydraspec.packed_cost);
 - each drafter's seconds per proposal (an average over its recent calls);
 - each drafter's acceptance on this sequence by depth: r_d, the chance that a draft at depth d is accepted
   once the one above it was, from discounted counts (DECAY per observation) of the drafts that reached
@@ -31,6 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..packed_cost import PackedCost
 from ..tally import Tally, reach, shadow_accepted
 from ..tree import DraftTree, shape_of
 from ..verify_cost import Curve
@@ -96,6 +99,8 @@ class AutoDrafter(Drafter):
         self.max_nodes = max([d.max_nodes for d in drafters.values()] + [0])
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
         self.cost = Curve(cost)
+        self.packed = PackedCost(self.cost)  # steps of several rows, learnt from their own times
+        self.step = self.cost  # this step's curve: the one-row one, or the packed one for its rows
         self.totals = {n: Tally() for n in drafters}  # every sequence's counts, undiscounted
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
@@ -105,6 +110,8 @@ class AutoDrafter(Drafter):
     # -- proposing --------------------------------------------------------------------------------------
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         rows = [self.rows.of(s) for s in states]
+        forward_rows = len(states) + (1 if self.beside else 0)
+        self.step = self.cost if forward_rows == 1 else self.packed.cost(forward_rows)
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
         cheap = {n: self._timed(n, states) for n in self.cheap}
@@ -172,7 +179,7 @@ class AutoDrafter(Drafter):
     def _choose(self, row: AutoRow, s: DecodeState, load: Load, offers: dict[str, DraftTree]) -> Choice:
         """The option with the most expected tokens per second of the batch on ``load`` (see the module
         docstring)."""
-        c = self.cost
+        c = self.step
         best = Choice(None, DraftTree.empty(), load.expect / (c(load.tokens) + load.seconds) * MARGIN, load)
         for n, offer in offers.items():
             cut = self._best_cut(offer, self.rates(row, n), load, self.seconds[n])
@@ -201,7 +208,7 @@ class AutoDrafter(Drafter):
             return Cut(0, 0.0, 0.0)
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
         p = reach(rates, max(depth))
-        c, best, value = self.cost, Cut(0, 0.0, 0.0), load.expect
+        c, best, value = self.step, Cut(0, 0.0, 0.0), load.expect
         for i, d in enumerate(depth):
             value += p[d - 1]
             v = value / (c(load.tokens + i + 1) + load.seconds + seconds)
@@ -227,6 +234,10 @@ class AutoDrafter(Drafter):
                 self._count(row, row.chosen, len(v.accepted), max(row.depths[:v.verified], default=0))
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
+
+    def step_took(self, rows: int, tokens: int, seconds: float) -> None:
+        if rows > 1:
+            self.packed.learn(rows, tokens, seconds)
 
     def forget(self) -> None:
         """Each drafter's memory of earlier answers goes; what was learnt of their acceptance and cost stays."""

@@ -76,6 +76,10 @@ class Drafter:
     def forget(self) -> None:
         """Drop what finished sequences left for later ones (earlier answers); sequences in flight keep theirs."""
 
+    def step_took(self, rows: int, tokens: int, seconds: float) -> None:
+        """The step's forward over ``rows`` rows (decoding and reading) and ``tokens`` new tokens took
+        ``seconds`` (a paced drafter learns its cost)."""
+
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding through the same engine: every tree is just the pending token."""
