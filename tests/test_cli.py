@@ -148,6 +148,44 @@ def test_train_heads_command(saved, tmp_path, capsys):
     assert rc == 2 and "float32" in err and "Traceback" not in err
 
 
+def test_train_heads_on_answers_another_model_wrote(saved, tmp_path, capsys):
+    """--answers-model: a model with the target's tokenizer writes the answers (its own greedy ones, which are
+    not the target's), and the target's distributions over them are what the heads learn. A kind that learns
+    the answer tokens themselves refuses it, and so does a model with another vocabulary."""
+    from hydraspec import SpeculativeGenerator
+
+    writer = tiny.make_model("llama", seed=3)
+    tok = tiny.make_tokenizer()
+    writer.save_pretrained(tmp_path / "writer")
+    tok.save_pretrained(tmp_path / "writer")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w{i + 3} w{i + 1}"]})
+                                 for i in range(4)))
+    common = ["train-heads", "--model", str(saved / "target"), "--dtype", "float32", "--prompts", str(prompts),
+              "--epochs", "1", "--max-new-tokens", "8", "--num-heads", "2", "--heldout", "0.5"]
+    out = tmp_path / "heads"
+    rc, stdout, err = run(capsys, *common, "--kind", "hydra++", "--answers-model", str(tmp_path / "writer"),
+                          "--out", str(out))
+    assert rc == 0, err
+    assert "head 1: held-out top-1" in stdout
+    target = tiny.make_model("llama", seed=0)
+    rows = [json.loads(x) for x in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["answer_ids"] == SpeculativeGenerator(writer, tok).generate(
+            input_ids=r["prompt_ids"], max_new_tokens=8).token_ids
+    assert any(r["answer_ids"] != SpeculativeGenerator(target, tok).generate(
+        input_ids=r["prompt_ids"], max_new_tokens=8).token_ids for r in rows)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["train_prompts"]["answers_model"] == str(tmp_path / "writer") and cfg["kind_detail"]["distill"]
+    rc, _, err = run(capsys, *common, "--kind", "medusa", "--answers-model", str(tmp_path / "writer"),
+                     "--out", str(tmp_path / "m"))
+    assert rc == 2 and "use hydra++ or eagle" in err
+    rc, _, err = run(capsys, *common, "--kind", "hydra++", "--answers-model", str(saved / "other"),
+                     "--out", str(tmp_path / "o"))
+    assert rc == 2 and "incompatible" in err
+
+
 def test_bench_and_serve_compile_where_they_can_by_default_and_generate_does_not(saved):
     """bench and serve default to --compile auto (compiled where it can be done, quietly eager elsewhere),
     generate to eager; --compile / --no-compile override; auto on a model not at a GGUF precision loads it

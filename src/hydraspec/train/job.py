@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 
 from ..bench.prompts import load_questions
+from ..drafters.draft_model import check_vocab
 from ..errors import HydraspecError
 from ..models import load_model, resolve_device
 from ..options import thread_count
@@ -46,6 +47,7 @@ class HeadsJob:
     docstring_prompts: int = 0
     self_prompts: int = 0
     self_prompts_model: str | None = None
+    answers_model: str | None = None
     text: list[str] | None = None
     text_tokens: int = 200_000
     limit: int | None = None
@@ -118,6 +120,9 @@ def _check(run: _Run) -> None:
         raise HydraspecError("--text-tokens must be at least 512")
     if run.reuse and job.data_only:
         raise HydraspecError("--data-only needs prompts to answer")
+    if job.answers_model and job.kind not in ("hydra++", "eagle"):
+        raise HydraspecError(f"--answers-model: another model's answers are learnt through the base's own "
+                             f"distributions, which --kind {job.kind} does not train on (use hydra++ or eagle)")
 
 
 def _processes(job: HeadsJob):
@@ -165,9 +170,16 @@ def _say_data(run: _Run) -> None:
 
 
 def _answer(run: _Run, cache_bytes: int) -> None:
-    """The base model's answers to the prompts (main process; the others wait for the data)."""
+    """The answers to the prompts (main process; the others wait for the data): the base model's, with its
+    states kept from decoding, or --answers-model's, which the base reads in training."""
     job = run.job
-    if run.is_main and not run.text_only:
+    if run.is_main and not run.text_only and job.answers_model:  # the base reads them in training
+        writer, wtok = load_model(job.answers_model, dtype=job.dtype, device=job.device, quant="auto", progress=True)
+        check_vocab(run.tok, wtok)
+        answer_prompts(writer, wtok, run.pairs, run.data, max_new_tokens=job.max_new_tokens,
+                       batch_size=job.batch_size, method=job.data_method)
+        del writer, wtok
+    elif run.is_main and not run.text_only:
         answer_prompts(run.model, run.tok, run.pairs, run.data, max_new_tokens=job.max_new_tokens,
                        batch_size=job.batch_size, method=job.data_method,
                        base_cache=BaseOutputs.for_data(run.model, run.data, cache_bytes, base_name=job.model))
@@ -221,7 +233,7 @@ def _used(run: _Run) -> dict:
         used = {"train_prompts": {"files": [os.path.basename(p) for p in job.prompts or []],
                                   "skip_per_category": job.skip, "limit_per_category": job.limit,
                                   "questions": len(run.questions), "self_prompts": job.self_prompts,
-                                  "docstring_prompts": job.docstring_prompts},
+                                  "docstring_prompts": job.docstring_prompts, "answers_model": job.answers_model},
                 "variant": job.kind}
     if job.text and not run.text_only:
         used["train_text"] = text_used
