@@ -33,7 +33,6 @@ class PackedCost:
         self.xtx = w * sum(np.outer(x, x) for x in xs) + np.diag([0.0, 0.0, PRIOR])  # rows term: prior 0
         self.xty = w * sum(x * curve(t) for x, t in zip(xs, PRIOR_SIZES))
         self.slope = (curve(PRIOR_SIZES[-1]) - curve(1)) / (PRIOR_SIZES[-1] - 1)
-        self.steps = 0
         self._fit()
 
     @staticmethod
@@ -47,7 +46,6 @@ class PackedCost:
         x = self._x(rows, tokens)
         self.xtx = FORGET * self.xtx + np.outer(x, x)
         self.xty = FORGET * self.xty + x * seconds
-        self.steps += 1
         self._fit()
 
     def _fit(self) -> None:

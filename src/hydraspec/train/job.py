@@ -120,7 +120,7 @@ def _check(run: _Run) -> None:
         raise HydraspecError("--text-tokens must be at least 512")
     if run.reuse and job.data_only:
         raise HydraspecError("--data-only needs prompts to answer")
-    if job.answers_model and job.kind not in ("hydra++", "eagle"):
+    if job.answers_model and not _variant(job)[1]:  # not distilled: the answer tokens are the targets
         raise HydraspecError(f"--answers-model: another model's answers are learnt through the base's own "
                              f"distributions, which --kind {job.kind} does not train on (use hydra++ or eagle)")
 
@@ -173,16 +173,17 @@ def _answer(run: _Run, cache_bytes: int) -> None:
     """The answers to the prompts (main process; the others wait for the data): the base model's, with its
     states kept from decoding, or --answers-model's, which the base reads in training."""
     job = run.job
-    if run.is_main and not run.text_only and job.answers_model:  # the base reads them in training
-        writer, wtok = load_model(job.answers_model, dtype=job.dtype, device=job.device, quant="auto", progress=True)
-        check_vocab(run.tok, wtok)
-        answer_prompts(writer, wtok, run.pairs, run.data, max_new_tokens=job.max_new_tokens,
-                       batch_size=job.batch_size, method=job.data_method)
-        del writer, wtok
-    elif run.is_main and not run.text_only:
-        answer_prompts(run.model, run.tok, run.pairs, run.data, max_new_tokens=job.max_new_tokens,
-                       batch_size=job.batch_size, method=job.data_method,
-                       base_cache=BaseOutputs.for_data(run.model, run.data, cache_bytes, base_name=job.model))
+    if run.is_main and not run.text_only:
+        options = dict(max_new_tokens=job.max_new_tokens, batch_size=job.batch_size, method=job.data_method)
+        if job.answers_model:  # the base reads them in training
+            writer, wtok = load_model(job.answers_model, dtype=job.dtype, device=job.device, quant="auto",
+                                      progress=True)
+            check_vocab(run.tok, wtok)
+            answer_prompts(writer, wtok, run.pairs, run.data, **options)
+            del writer, wtok
+        else:
+            answer_prompts(run.model, run.tok, run.pairs, run.data, **options,
+                           base_cache=BaseOutputs.for_data(run.model, run.data, cache_bytes, base_name=job.model))
     run.wait()
 
 
