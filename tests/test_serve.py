@@ -210,6 +210,18 @@ def test_disconnect_mid_stream_frees_the_row_and_leaves_others_intact():
             finished.append(req.result.finish_reason if req.result is not None else None)
             fin(req)
         worker._finish = spy
+        heard, cancel, tokens, sent = threading.Event(), worker.cancel, worker._tokens, {}
+
+        def cancel_spy(req):
+            cancel(req)
+            heard.set()
+
+        def tokens_spy(req, ids):  # the tiny model could end the cut stream before the server hears the client go
+            tokens(req, ids)
+            sent[id(req)] = sent.get(id(req), 0) + len(ids)
+            if req.max_new_tokens == 400 and sent[id(req)] >= 40:
+                heard.wait(30)
+        worker.cancel, worker._tokens = cancel_spy, tokens_spy
         want = single("pld", PROMPTS[3], 120)
         c = client(base)
         out = []
