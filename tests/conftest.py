@@ -17,6 +17,11 @@ warnings.filterwarnings("ignore", message=".*pad_token_id.*")
 def _deterministic():
     torch.manual_seed(0)
     yield
+    import tiny
+    from hydraspec.features import set_feature_layers
+
+    for model in tiny.cached_models():  # EAGLE-3 heads set the layers a model's forwards hand out
+        set_feature_layers(model, None)
 
 
 @pytest.fixture

@@ -119,3 +119,7 @@ def cached_model(family: str = "llama", attn: str = "sdpa", seed: int = 0, **kw)
     if key not in _MODELS:
         _MODELS[key] = make_model(family, attn=attn, seed=seed, **kw)
     return _MODELS[key]
+
+
+def cached_models() -> list:
+    return list(_MODELS.values())

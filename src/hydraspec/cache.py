@@ -11,6 +11,8 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .features import features
+
 _CACHE_KEYWORD: dict[type, str] = {}
 
 
@@ -243,7 +245,7 @@ def prefill_rows(model, cache, first: int, prompts: list[list[int]], need_hidden
                         position_ids=torch.arange(start, start + len(ids), device=dev)[None],
                         **cache_kwargs(model, cache), use_cache=True, output_hidden_states=need_hidden,
                         logits_to_keep=1)
-            h = out.hidden_states[-1][0] if need_hidden else None
+            h = features(model, out.hidden_states)[0] if need_hidden else None
         hidden.append(h)
     set_length(cache, saved)
     return hidden

@@ -76,7 +76,7 @@ def _heads_drafter(args, model):
     if is_dynamic(args):
         return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), **dynamic_options(args), **lookup)
     tree = load_tree_spec(args.tree, max_depth=heads.num_heads) if args.tree else cfg.get("default_tree")
-    if heads.kind == "eagle":
+    if heads.method == "eagle":
         lookup["min_prob"] = args.min_prob if args.min_prob is not None else cfg.get("min_prob")
     return make_drafter(method, heads=heads, embed=model.get_input_embeddings(), tree=tree, **lookup)
 
@@ -88,7 +88,7 @@ def _auto_drafter(args, target_tok, draft, model):
         costly["draft"] = _draft_drafter(args, target_tok, draft, "auto")
     if getattr(args, "heads", None):
         heads, cfg = load_heads(args.heads, model, base_model=args.model)
-        costly[heads.kind] = make_drafter(heads.kind, heads=heads, embed=model.get_input_embeddings(),
+        costly[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(),
                                           tree=cfg.get("default_tree"))
     return make_auto(model, costly, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,
                      pld_min_ngram=args.pld_min_ngram)

@@ -10,6 +10,7 @@ import torch
 from . import backend
 from .cache import cache_kwargs, set_length, set_packing, text_config
 from .errors import HydraspecError
+from .features import features
 
 _NO_4D_MASK = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -65,7 +66,7 @@ def forward_nodes(model, cache, ids: torch.Tensor, positions: torch.Tensor, ance
         logits_to_keep=1 if last_only else 0,
     )
     logits = out.logits[0].float()
-    hidden = out.hidden_states[-1][0] if want_hidden else None
+    hidden = features(model, out.hidden_states)[0] if want_hidden else None
     return logits, hidden
 
 
@@ -166,7 +167,7 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
                     **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden)
         first = [b * N for b in range(B)]
     logits = out.logits.float().flatten(0, 1)
-    hidden = out.hidden_states[-1].flatten(0, 1) if want_hidden else None
+    hidden = features(model, out.hidden_states).flatten(0, 1) if want_hidden else None
     return logits, hidden, first
 
 

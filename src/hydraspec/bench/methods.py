@@ -280,7 +280,7 @@ def _heads(method: str):
         if method.startswith("pld+"):
             kind = method
             opts["pld_tokens"] = ctx.args.pld_tokens
-        if heads.kind == "eagle":
+        if heads.method == "eagle":
             given = getattr(ctx.args, "min_prob", None)
             opts["min_prob"] = given if given is not None else cfg.get("min_prob")
         drafter = make_drafter(kind, heads=heads, embed=ctx.model.get_input_embeddings(), **opts)

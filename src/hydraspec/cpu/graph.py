@@ -32,6 +32,7 @@ import torch.fx.experimental._config as fx_config
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..cache import cache_kwargs
+from ..features import features
 from . import kernels, ops
 from .gguf import GGUFLinear
 from .quantized import W4A8Linear
@@ -152,9 +153,9 @@ def compile_steps(model: torch.nn.Module) -> str | None:
             m.forward = forward
     eager_forward = model.forward
 
-    def with_hidden(**kw):  # only the last hidden state leaves the graph (the others are never kept)
+    def with_hidden(**kw):  # only the features leave the graph (the other states are never kept)
         out = eager_forward(**kw, output_hidden_states=True, logits_to_keep=0)
-        return out.logits, out.hidden_states[-1]
+        return out.logits, features(model, out.hidden_states)
     compiled = (torch.compile(eager_forward, dynamic=True), torch.compile(with_hidden, dynamic=True))
     key = next(iter(cache_kwargs(model, None)))  # the keyword the model's forward takes its cache by
 

@@ -94,9 +94,9 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
         if method == "hydra++" and not (heads.kind == "hydra" and has_prefix):
             raise HydraspecError(f"method 'hydra++' needs Hydra++ heads (train-heads --kind hydra++), not {heads.kind} heads"
                                  f"{' without a prefix layer' if heads.kind == 'hydra' else ''}")
-        if heads.kind != method.rstrip("+"):
+        if heads.method != method.rstrip("+"):
             raise HydraspecError(f"--heads holds {heads.kind} heads, not {method} heads")
-        if heads.kind == "eagle":
+        if heads.method == "eagle":
             if parse_dynamic(tree):
                 raise HydraspecError("EAGLE heads draft static trees (--tree FILE or the heads' default), not 'dynamic'")
             return EagleDrafter(heads, embed, tree or default_tree(heads.num_heads),

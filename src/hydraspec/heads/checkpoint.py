@@ -10,11 +10,13 @@ from safetensors.torch import load_file, save_file
 
 from ..backend import int8_per_row, prepack
 from ..errors import HydraspecError
+from ..features import set_feature_layers
 from .eagle import EagleHeads
+from .eagle3 import Eagle3Heads
 from .modules import KINDS, Heads
 from .prefix import PrefixLayer
 
-KINDS = {**KINDS, "eagle": EagleHeads}
+KINDS = {**KINDS, "eagle": EagleHeads, "eagle3": Eagle3Heads}
 
 FORMAT = "hydraspec-heads"
 DEFAULT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -28,7 +30,8 @@ def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_p
                 prefix_layer: bool = False, vocab_subset=None, **extra) -> Heads:
     """Fresh heads for `model`. prefix_layer adds Hydra++'s extra decoder layer (identity when fresh);
     vocab_subset (token ids) restricts the heads' projection to a draft vocabulary; ``extra``: what a kind
-    takes beyond these (EAGLE: intermediate_size)."""
+    takes beyond these (EAGLE: intermediate_size; EAGLE-3: feature_layers). The model's forwards then hand
+    out the features these heads read (hydraspec.features)."""
     if kind not in KINDS:
         raise HydraspecError(f"unknown head kind '{kind}'; known: {', '.join(KINDS)}")
     heads = KINDS[kind].for_model(model, num_heads=num_heads, num_layers=num_layers, own_projection=own_projection,
@@ -38,6 +41,7 @@ def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_p
             heads.prefix = PrefixLayer(model)
         except ValueError as e:
             raise HydraspecError(f"cannot add a prefix-attention layer: {e}") from None
+    set_feature_layers(model, getattr(heads, "feature_layers", None))
     return heads.to(model.device)
 
 
@@ -114,7 +118,7 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
     state = _dequantize_int8(load_file(str(d / "heads.safetensors")))
     heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
                         prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"),
-                        **({"intermediate_size": cfg["intermediate_size"]} if cfg.get("intermediate_size") else {}))
+                        **{k: cfg[k] for k in ("intermediate_size", "feature_layers") if cfg.get(k)})
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HydraspecError(f"heads checkpoint '{d}' does not match its config (missing {missing[:3]}, "

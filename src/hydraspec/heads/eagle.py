@@ -51,6 +51,7 @@ class EagleHeads(Heads):
     layer drafts every depth. ``num_layers`` decoder layers (EAGLE uses one)."""
 
     kind = "eagle"
+    regresses_features = True  # EAGLE-1's loss scores the guessed next feature too
 
     def __init__(self, hidden, vocab, num_heads=4, num_layers=1, lm_head=None, own_projection=False,
                  vocab_subset=None, layers=None, rotary=None):

@@ -40,6 +40,11 @@ class Heads(nn.Module):
 
     kind = "base"
 
+    @property
+    def method(self) -> str:
+        """The drafting method that runs these heads (an EAGLE-3 head drafts as an EAGLE head does)."""
+        return self.kind
+
     def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, lm_head: nn.Module | None,
                  own_projection: bool, vocab_subset=None):
         super().__init__()
@@ -102,6 +107,16 @@ class Heads(nn.Module):
         full = probs.new_zeros(*probs.shape[:-1], self.vocab)
         full[..., self.subset] = probs
         return full
+
+    def projection_weight(self, k: int = 0) -> torch.Tensor:
+        """Head k's vocabulary projection as a dense float32 matrix [out_vocab, dim] (for export)."""
+        if self.own_projection:
+            return self.proj[k].weight.detach().float()
+        base = self._shared[0]
+        if hasattr(base, "dequantized"):  # a GGUF lm_head (hydraspec.cpu.gguf)
+            return base.dequantized(self.subset).float()
+        w = base.weight.detach()
+        return (w if self.subset is None else w[self.subset.to(w.device)]).float()
 
     def project(self, k: int, x: torch.Tensor) -> torch.Tensor:
         if self.own_projection:

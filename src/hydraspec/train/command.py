@@ -15,10 +15,11 @@ def add_parser(subparsers) -> None:
     """Register `train-heads` on an argparse subparsers object (``args.func`` runs it)."""
     t = subparsers.add_parser("train-heads", help="self-distil and train Medusa/Hydra draft heads (frozen base)")
     add_model_args(t)
-    t.add_argument("--kind", required=True, choices=("medusa", "hydra", "hydra++", "eagle"),
+    t.add_argument("--kind", required=True, choices=("medusa", "hydra", "hydra++", "eagle", "eagle3"),
                    help="hydra++ = 4-layer Hydra heads distilled from the base model's distribution, "
                         "reading the output of one extra prefix-attention decoder layer; eagle = one decoder "
-                        "layer drafting autoregressively on the base's features (EAGLE), distilled")
+                        "layer drafting autoregressively on the base's features (EAGLE), distilled; eagle3 = the "
+                        "same on a low, a middle and a high layer, trained on its own guesses (EAGLE-3)")
     t.add_argument("--eagle-intermediate", type=int, default=0, metavar="N",
                    help="eagle: the layer's MLP width (default the base's; narrower drafts faster on a CPU)")
     t.add_argument("--eagle-steps", type=int, default=2, metavar="K",

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from ..backend import unpack
 from ..errors import HydraspecError
+from ..features import features, set_feature_layers
 from ..heads import base_fingerprint, build_heads, save_heads
 from .data import load_answers
 from .losses import heads_loss
@@ -88,6 +89,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     _base_cache(run, data_path, cache_bytes, rows)
     run.sub_idx = heads.subset if subset is not None else None
     _run_epochs(run, train, test, random.Random(seed), start_epoch, epochs, accum)
+    set_feature_layers(model, getattr(heads, "feature_layers", None))  # what the trained heads read when drafting
     return {"train": len(train), "heldout": len(test), "log": str(run.log), "processes": sync.n}
 
 
@@ -163,6 +165,9 @@ def _new_heads(model, sync: Sync, seed: int, kind: str, **options):
         torch.manual_seed(seed)  # the same fresh heads in every process (and every run)
         heads = build_heads(kind, model, **options).float()
     sync.broadcast(heads.state_dict().values())
+    layers = getattr(heads, "feature_layers", None)
+    if layers is not None:  # EAGLE-3 trains on the joined layers and the last state (the teacher's logits)
+        set_feature_layers(model, layers + [model.config.get_text_config(decoder=True).num_hidden_layers])
     return heads
 
 
@@ -247,7 +252,7 @@ def _sequence_loss(run: _Fit, r: dict, both: bool) -> tuple[torch.Tensor, torch.
         ans = torch.arange(max(0, len(r["prompt_ids"]) - 1), ids.numel() - 1, device=ids.device)
         orig = teacher_logits(model, hidden[ans])  # only the answer positions the KL reads
         out_m = model(input_ids=ids[None], output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        hidden = out_m.hidden_states[-1][0, :-1]
+        hidden = features(model, out_m.hidden_states)[0, :-1]
         cur = project_hidden(model, hidden[ans])
         kl = F.kl_div(cur.log_softmax(-1), orig.log_softmax(-1), log_target=True, reduction="batchmean")
     with torch.autocast(model.device.type, dtype=run.amp, enabled=run.amp is not None):

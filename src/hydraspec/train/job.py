@@ -193,7 +193,7 @@ def _variant(job: HeadsJob) -> tuple[str, bool, int, bool, dict, dict | None]:
     head_options, eagle = {}, None
     if kind == "hydra++":
         kind, distill, layers, prefix = "hydra", True, max(layers, 4), True
-    if kind == "eagle":  # distilled from the base's own distribution, as EAGLE trains
+    if kind in ("eagle", "eagle3"):  # distilled from the base's own distribution, as EAGLE trains
         distill = True
         head_options = {"intermediate_size": job.eagle_intermediate} if job.eagle_intermediate else {}
         eagle = {"steps": job.eagle_steps}

@@ -34,7 +34,7 @@ def heads_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
     with a draft vocabulary, teacher_logits may hold the whole vocabulary or only its columns).
     Returns (loss, per-head dict of top-1 / top-5 hit counts and the number of targets).
     An EAGLE head has a loss of its own (:func:`eagle_loss`; ``eagle`` holds its options)."""
-    if heads.kind == "eagle":
+    if heads.method == "eagle":
         return eagle_loss(heads, hidden, ids, prompt_len, embed=embed, teacher_logits=teacher_logits, **(eagle or {}))
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = []
@@ -81,7 +81,14 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
     HASS and EAGLE-3 train), so that deeper drafts do not drift. Under autograd the true features get
     uniform noise of ``noise`` times their standard deviation (EAGLE's). Only targets inside the answer
     count. Returns (loss, per-depth dicts of top-1 / top-5 hits against x_{j+2} and the number of
-    targets), like :func:`heads_loss`."""
+    targets), like :func:`heads_loss`.
+
+    An EAGLE-3 head (``heads.regresses_features`` false) reads the first k * dim columns of ``hidden`` (the
+    joined layers; training appends the last state, which the teacher logits come from) and is scored on
+    the distribution alone (weight 1), as EAGLE-3 trains."""
+    if not heads.regresses_features:
+        hidden = hidden[:, :len(heads.feature_layers) * heads.hidden]
+        reg_weight, cls_weight = 0.0, 1.0
     n = ids.numel() - 2  # pairs j = 0 .. T - 3 have a target
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = [{"n": 0, "top1": 0, "top5": 0} for _ in range(steps)]
@@ -91,8 +98,8 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
     if noise and torch.is_grad_enabled():
         feats = feats + (torch.rand_like(feats) * 2 - 1) * (noise * feats.std())
     guesses = heads.guesses(feats, embed(ids[1:n + 1]).float(), steps)  # pairs (f_j, e(x_{j+1}))
-    target_feat = hidden[1:n + 1].float()  # f_{j+1}
-    scale = 1.0 / float(target_feat.std().clamp(min=1e-6))
+    target_feat = hidden[1:n + 1].float() if reg_weight else None  # f_{j+1}
+    scale = 1.0 / float(target_feat.std().clamp(min=1e-6)) if reg_weight else 0.0
     target = ids[2:n + 2]  # x_{j+2}
     subset = getattr(heads, "subset", None)
     if subset is not None:
@@ -113,7 +120,7 @@ def eagle_loss(heads, hidden: torch.Tensor, ids: torch.Tensor, prompt_len: int, 
         yv = y[valid].float()
         logits = heads.logits(k - 1, yv).float()
         tv = target[valid]
-        reg = F.smooth_l1_loss(yv * scale, target_feat[valid] * scale)
+        reg = F.smooth_l1_loss(yv * scale, target_feat[valid] * scale) if reg_weight else 0.0
         if teacher is not None:
             cls = -(teacher[valid] * logits.log_softmax(-1)).sum(-1).mean()
         else:

@@ -18,6 +18,7 @@ import torch
 
 from ..backend import native_bf16
 from ..errors import HydraspecError
+from ..features import feature_layers, features
 from ..inputs import eos_ids
 from .losses import heads_loss
 
@@ -29,18 +30,20 @@ def is_heldout(qid, share: float) -> bool:
 
 @torch.no_grad()
 def _base_hidden(model, ids: torch.Tensor) -> torch.Tensor:
-    """The base model's last hidden states (after its final norm: what lm_head reads) at positions
-    0 .. T-2 of `ids` [T]: [T - 1, dim]. The last token's state is left out: no head target and no
+    """The base model's features (hydraspec.features: its last hidden states, after its final norm, what
+    lm_head reads; joined layers for an EAGLE-3 head) at positions 0 .. T-2 of `ids` [T]: [T - 1, width]. The last token's state is left out: no head target and no
     distillation target reads it (head k at position t predicts token t + k + 2 < T)."""
     out = model(input_ids=ids[None], output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    return out.hidden_states[-1][0, :-1]
+    return features(model, out.hidden_states)[0, :-1]
 
 
 @torch.no_grad()
 def teacher_logits(model, hidden: torch.Tensor, subset: torch.Tensor | None = None) -> torch.Tensor:
-    """The base model's logits recomputed from its last hidden states [T, dim]: [T, vocab], or only the
-    draft-vocabulary columns [T, len(subset)] (what the distillation loss reads), in float32."""
-    return project_hidden(model, hidden, subset)
+    """The base model's logits recomputed from its last hidden states [T, dim] (the last dim columns of
+    joined features, :func:`_base_hidden`): [T, vocab], or only the draft-vocabulary columns [T, len(subset)]
+    (what the distillation loss reads), in float32."""
+    dim = model.config.get_text_config(decoder=True).hidden_size
+    return project_hidden(model, hidden[..., -dim:], subset)
 
 
 def project_hidden(model, hidden: torch.Tensor, subset: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,7 +123,8 @@ class BaseOutputs:
             return
         cfg = model.config.get_text_config(decoder=True)
         meta = {"base": base_name or getattr(model.config, "_name_or_path", ""), "max_len": max_len,
-                "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "dtype": str(model.dtype)}
+                "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "dtype": str(model.dtype),
+                **({"features": list(feature_layers(model))} if feature_layers(model) else {})}
         meta_path = self.dir / "meta.json"
         if self.dir.exists() and (not meta_path.exists() or json.loads(meta_path.read_text()) != meta):
             shutil.rmtree(self.dir)
@@ -195,7 +199,7 @@ def eval_counts(heads, model, rows, base: BaseOutputs, eagle: dict | None = None
     """Per head (an EAGLE head: per draft depth) [n, top-1 hits, top-5 hits] over `rows`: [heads, 3] (float64,
     so processes can sum them)."""
     embed = model.get_input_embeddings()
-    steps = (eagle or {}).get("steps", 2) if heads.kind == "eagle" else heads.num_heads
+    steps = (eagle or {}).get("steps", 2) if heads.method == "eagle" else heads.num_heads
     totals = torch.zeros(steps, 3, dtype=torch.float64)
     with torch.no_grad():
         for r in rows:

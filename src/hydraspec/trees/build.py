@@ -150,7 +150,7 @@ class _Build:
     def make(self, paths, stop):
         """The drafter with tree ``paths`` (None: its default) and, for a draft model, confidence stop ``stop``."""
         if self.heads is not None:
-            return make_drafter(self.heads.kind, heads=self.heads, embed=self.model.get_input_embeddings(),
+            return make_drafter(self.heads.method, heads=self.heads, embed=self.model.get_input_embeddings(),
                                 tree=paths)
         return make_drafter("draft", draft_model=self.draft_model, tree=paths, confidence=stop)
 

@@ -24,6 +24,7 @@ import torch
 from ..drafters.draft_model import log_top_prob
 from ..drafters.heads import full_vocab_logits
 from ..errors import HydraspecError
+from ..features import features
 from ..generator import SpeculativeGenerator
 
 
@@ -93,13 +94,13 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
             out.append(np.zeros((0, depth), dtype=np.int64))
             continue
         x = torch.tensor([seq], device=dev)
-        hid = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states[-1][0]
+        hid = features(model, model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states)[0]
         if getattr(heads, "prefix", None) is not None:  # Hydra++: what the heads read (same as step by step)
             hid = heads.prefixed(hid)
         s = torch.tensor(seq, device=dev)
         emb = embed(s[None])[0] if heads.kind != "medusa" else None
         r = torch.zeros(len(ps), depth, dtype=torch.long)
-        if heads.kind == "eagle":  # depth d along the correct path: the head's depth-d guess at p + d
+        if heads.method == "eagle":  # depth d along the correct path: the head's depth-d guess at p + d
             n = len(seq) - 2
             guesses = heads.guesses(hid[:n], emb[1:n + 1], depth)
             chunks = [(0, torch.tensor(ps, device=dev))]
@@ -108,7 +109,7 @@ def head_ranks(model, heads, embed, seqs, depth: int, max_rank: int, chunk: int 
         for a, p in chunks:
             h = hid[p]
             for d in range(depth):
-                if heads.kind == "eagle":
+                if heads.method == "eagle":
                     lg = full_vocab_logits(heads, heads.logits(d, guesses[d][(p + d).clamp(max=n - 1)]).float())
                 elif heads.kind == "medusa":
                     lg = full_vocab_logits(heads, heads.logits(d, h).float())
