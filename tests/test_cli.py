@@ -148,6 +148,43 @@ def test_train_heads_command(saved, tmp_path, capsys):
     assert rc == 2 and "float32" in err and "Traceback" not in err
 
 
+def test_eagle3_heads_train_draft_and_export(saved, tmp_path, capsys):
+    """train-heads --kind eagle3, drafting with them (--method eagle) equal to plain decoding, and export-heads
+    writing the speculators layout (loaded back by speculators itself in test_eagle); other kinds refused."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w{i + 1}"]})
+                                 for i in range(4)))
+    target, out = str(saved / "target"), tmp_path / "e3"
+    rc, _, err = run(capsys, "train-heads", "--model", target, "--dtype", "float32", "--kind", "eagle3", "--prompts",
+                     str(prompts), "--out", str(out), "--epochs", "1", "--max-new-tokens", "8", "--num-heads", "3",
+                     "--eagle-intermediate", "32", "--draft-vocab", "40")
+    assert rc == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["kind"] == "eagle3" and len(cfg["feature_layers"]) >= 2 and cfg["draft_vocab"] == 40
+    common = ["generate", "--model", target, "--dtype", "float32", "--prompt", "w5 w6 w7", "--max-new-tokens", "10",
+              "--json"]
+    _, ar, _ = run(capsys, *common, "--method", "ar")
+    rc, e3, err = run(capsys, *common, "--method", "eagle", "--heads", str(out))
+    assert rc == 0, err
+    assert json.loads(e3)["token_ids"] == json.loads(ar)["token_ids"]
+    rc, _, err = run(capsys, "export-heads", "--model", target, "--dtype", "float32", "--heads", str(out), "--out",
+                     str(tmp_path / "spec"), "--verifier", "Org/Base-1B")
+    assert rc == 0, err
+    spec = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert spec["speculators_model_type"] == "eagle3" and spec["draft_vocab_size"] == 40
+    assert spec["eagle_aux_hidden_state_layer_ids"] == cfg["feature_layers"]
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "Org/Base-1B"
+    assert (tmp_path / "spec" / "model.safetensors").stat().st_size > 0
+    from hydraspec.heads import build_heads, save_heads
+    from hydraspec.models import load_model
+
+    model, _ = load_model(target, dtype="float32", device="cpu")
+    save_heads(build_heads("hydra", model, num_heads=2), tmp_path / "hy", base_model=target)
+    rc, _, err = run(capsys, "export-heads", "--model", target, "--dtype", "float32", "--heads", str(tmp_path / "hy"),
+                     "--out", str(tmp_path / "x"))
+    assert rc == 2 and "no format another engine loads" in err and "Traceback" not in err
+
+
 def test_train_heads_on_answers_another_model_wrote(saved, tmp_path, capsys):
     """--answers-model: a model with the target's tokenizer writes the answers (its own greedy ones, which are
     not the target's), and the target's distributions over them are what the heads learn. A kind that learns

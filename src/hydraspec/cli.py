@@ -23,6 +23,7 @@ from .options import ACCEPTOR_CHOICES, METHOD_HELP, add_method_args, add_model_a
     add_verify_budget_arg, resolve_precision_args
 from .stack import check_args_method, load_stack
 from .train.command import add_parser as add_train_parser
+from .train.export import add_parser as add_export_parser
 from .trees.command import add_parser as add_tree_parser
 
 try:
@@ -246,6 +247,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_models(sub)
     add_train_parser(sub)
+    add_export_parser(sub)
     add_tree_parser(sub)
     _add_serve(sub)
     _add_demo(sub)
