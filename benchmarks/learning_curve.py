@@ -122,9 +122,11 @@ def main() -> int:
     ap.add_argument("--answers", help="self-distilled answers (jsonl)")
     ap.add_argument("--text-rows", help="text rows (jsonl, hydraspec.train.text_data)")
     ap.add_argument("--points", nargs="*", default=[], metavar="SOURCE:KINDS:TOKENS",
-                    help="e.g. answers:medusa,hydra:25000,50000 (kinds: medusa, hydra, hydra++)")
+                    help="e.g. answers:medusa,hydra:25000,50000 (kinds: medusa, hydra, hydra++, eagle, eagle3)")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--eagle-intermediate", type=int, default=0, help="eagle, eagle3: the layer's MLP width")
+    ap.add_argument("--eagle-steps", type=int, default=2, help="eagle, eagle3: training-time-test depth")
     ap.add_argument("--eval-prompts", nargs="+", default=[f"../shared/data/prompts/{n}.jsonl"
                                                           for n in ("humaneval", "alpaca", "sharegpt")])
     ap.add_argument("--eval-limit", type=int, default=5, help="held-out questions 0 .. N-1 of each category")
@@ -168,12 +170,20 @@ def main() -> int:
                 if (source, kind, budget) in done:
                     continue
                 heads_dir = d / kind
-                distill = kind == "hydra++" or source == "text"
+                eagle = kind in ("eagle", "eagle3")
+                distill = kind == "hydra++" or source == "text" or eagle
+                own = data
+                if kind == "eagle3":  # its cached base states are other layers: a cache of its own
+                    own = d / "data-eagle3.jsonl"
+                    own.write_text(data.read_text())
                 t0 = time.perf_counter()
-                train_heads(train_model, data, heads_dir, kind="hydra" if kind == "hydra++" else kind,
+                train_heads(train_model, own, heads_dir, kind="hydra" if kind == "hydra++" else kind,
                             base_name=args.model, num_layers=4 if kind == "hydra++" else 1, epochs=args.epochs,
                             distill=distill, heldout=0.0, prefix_layer=kind == "hydra++", progress=False,
-                            draft_vocab=args.draft_vocab, cache_bytes=8 << 30, accum=4)
+                            draft_vocab=args.draft_vocab, cache_bytes=8 << 30, accum=4,
+                            head_options={"intermediate_size": args.eagle_intermediate}
+                            if eagle and args.eagle_intermediate else None,
+                            eagle={"steps": args.eagle_steps} if eagle else None)
                 train_s = time.perf_counter() - t0
                 tps, top1 = tokens_per_step(eval_model, str(heads_dir), seqs, DEFAULT_TREE)
                 data_s = n_tok / args.datagen_tok_s if source == "answers" and args.datagen_tok_s else 0.0
