@@ -41,8 +41,9 @@ def feature_width(model) -> int:
 
 
 def features(model, hidden_states) -> torch.Tensor:
-    """The features from a forward's ``hidden_states`` (a tuple of [..., dim]): [..., width]."""
+    """The features from a forward's ``hidden_states`` (a tuple of [..., dim]): [..., width]. A compiled step
+    (hydraspec.cpu.graph) hands out a 1-tuple: the features themselves."""
     layers = feature_layers(model)
-    if layers is None:
+    if layers is None or len(hidden_states) == 1:
         return hidden_states[-1]
     return torch.cat([hidden_states[i] for i in layers], dim=-1)

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from ..errors import HydraspecError
 from ..generator import SpeculativeGenerator
+from ..heads import read_features
 from ..inputs import eos_ids
 from ..models import compile_models, load_draft_model
 from ..options import thread_count
@@ -86,7 +87,9 @@ def load_answerer(args, loader, pending):
     if any(METHODS[m].needs_draft or (METHODS[m].takes_draft and args.draft_model) for m in working):
         draft = load_draft_model(args.draft_model, args.dtype, args.device, getattr(args, "draft_quant", None),
                                  loader, vocab=getattr(args, "draft_vocab", None), tokenizer=tok)
-    # compiled once both are loaded (peak memory: models.compile_models)
+    # compiled once both are loaded (peak memory: models.compile_models), for the features the heads read
+    if getattr(args, "heads", None):
+        read_features(args.heads, model)
     compile_models(model, draft[0] if draft else None, how=getattr(args, "compile", False),
                    hidden=any(METHODS[m].needs_heads for m in working))
     ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),

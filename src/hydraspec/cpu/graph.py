@@ -85,7 +85,7 @@ def _run(compiled, past: int, cache: dict, input_ids, position_ids=None, attenti
     row, several rows): the implied causal mask and positions filled in, logits for every row (the last
     kept afterwards where only they were asked for: a row's logits do not depend on the others).
     ``compiled``: the pair (plain forward, forward returning (logits, last hidden state)); with
-    output_hidden_states the second runs and ``hidden_states`` holds the last hidden state only. ``cache``:
+    output_hidden_states the second runs and ``hidden_states`` holds the features only (hydraspec.features). ``cache``:
     the KV cache under the keyword the model takes it by (hydraspec.cache.cache_kwargs)."""
     n = input_ids.shape[1]
     if attention_mask is None:

@@ -89,6 +89,16 @@ def same_weights(a: list[float], b: list[float]) -> float:
     return min(float(cos(x[:half], y[:half], dim=0)), float(cos(x[half:], y[half:], dim=0)))
 
 
+def read_features(directory, model) -> None:
+    """Make ``model``'s forwards hand out the features the heads in ``directory`` read, before anything is
+    compiled (a compiled step traced for other features would be traced again at the first step)."""
+    try:
+        layers = json.loads((Path(directory) / "config.json").read_text()).get("feature_layers")
+    except (OSError, json.JSONDecodeError):
+        return  # load_heads says what is wrong with the directory
+    set_feature_layers(model, layers)
+
+
 def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, dict]:
     """Load heads for `model`; refuses heads trained for a model of another shape or other weights (by the
     checkpoint's ``base_fingerprint``: any path to the same weights is accepted), or, for checkpoints

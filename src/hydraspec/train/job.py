@@ -254,7 +254,8 @@ def _report(run: _Run, res: dict, kind: str, t0: float, t_data: float) -> None:
         print(f"heads and the tuned base saved in {out}; use them with --model {os.path.join(out, 'base')} "
               f"--method {kind} --heads {out}")
     else:
-        print(f"heads saved in {out}; use them with --method {kind} --heads {out}")
+        method = "eagle" if kind == "eagle3" else kind  # an EAGLE-3 head drafts as EAGLE heads do
+        print(f"heads saved in {out}; use them with --method {method} --heads {out}")
 
 
 def run_heads_job(job: HeadsJob) -> int:
