@@ -20,7 +20,7 @@ def test_head_positions_offsets():
 
 
 class LinearHeads(torch.nn.Module):
-    kind, num_heads = "medusa", 2
+    kind, method, num_heads = "medusa", "medusa", 2
 
     def __init__(self, dim, vocab):
         super().__init__()
