@@ -164,7 +164,7 @@ def main() -> int:
             data = d / "data.jsonl"
             data.write_text("".join(json.dumps(r) + "\n" for r in part))
             link = d / "data.base_cache"
-            if cache.exists() and not link.exists():
+            if not link.is_symlink():
                 os.symlink(cache, link)  # the base's states, shared with the full source
             for kind in kinds.split(","):
                 if (source, kind, budget) in done:
@@ -173,9 +173,12 @@ def main() -> int:
                 eagle = kind in ("eagle", "eagle3")
                 distill = kind == "hydra++" or source == "text" or eagle
                 own = data
-                if kind == "eagle3":  # its cached base states are other layers: a cache of its own
+                if kind == "eagle3":  # its cached base states are other layers: a cache of their own
                     own = d / "data-eagle3.jsonl"
                     own.write_text(data.read_text())
+                    link3 = d / "data-eagle3.base_cache"
+                    if not link3.is_symlink():
+                        os.symlink(cache.with_name(cache.name.replace(".base_cache", ".eagle3.base_cache")), link3)
                 t0 = time.perf_counter()
                 train_heads(train_model, own, heads_dir, kind="hydra" if kind == "hydra++" else kind,
                             base_name=args.model, num_layers=4 if kind == "hydra++" else 1, epochs=args.epochs,

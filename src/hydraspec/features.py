@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import HydraspecError
+
 __all__ = ["set_feature_layers", "feature_layers", "features", "feature_width"]
 
 _ATTR = "hs_feature_layers"
@@ -24,7 +26,7 @@ def set_feature_layers(model, layers: list[int] | None) -> None:
     if layers is not None:
         layers = [int(i) for i in layers]
         if not layers or any(not 0 <= i <= n for i in layers):
-            raise ValueError(f"feature layers must lie in [0, {n}], got {layers}")
+            raise HydraspecError(f"feature layers must lie in [0, {n}] for this model, got {layers}")
         if layers == [n]:
             layers = None
     setattr(model, _ATTR, tuple(layers) if layers else None)

@@ -127,9 +127,9 @@ class BaseOutputs:
                 **({"features": list(feature_layers(model))} if feature_layers(model) else {})}
         meta_path = self.dir / "meta.json"
         if self.dir.exists() and (not meta_path.exists() or json.loads(meta_path.read_text()) != meta):
-            shutil.rmtree(self.dir)
+            shutil.rmtree(self.dir.resolve())  # a link (a cache several data files share): what it points to
         if max_bytes > 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.resolve().mkdir(parents=True, exist_ok=True)
             meta_path.write_text(json.dumps(meta))
         self.used = sum(f.stat().st_size for f in self.dir.glob("*.pt")) if self.dir.exists() else 0
 
