@@ -89,14 +89,16 @@ def same_weights(a: list[float], b: list[float]) -> float:
     return min(float(cos(x[:half], y[:half], dim=0)), float(cos(x[half:], y[half:], dim=0)))
 
 
-def read_features(directory, model) -> None:
-    """Make ``model``'s forwards hand out the features the heads in ``directory`` read, before anything is
-    compiled (a compiled step traced for other features would be traced again at the first step)."""
-    try:
-        layers = json.loads((Path(directory) / "config.json").read_text()).get("feature_layers")
-    except (OSError, json.JSONDecodeError):
-        return  # load_heads says what is wrong with the directory
-    set_feature_layers(model, layers)
+def read_features(directories, model) -> None:
+    """Make ``model``'s forwards hand out the features that EAGLE-3 heads among ``directories`` (one, or a
+    list) read, before anything is compiled (a step compiled for other features is traced again)."""
+    for d in directories if isinstance(directories, (list, tuple)) else [directories]:
+        try:
+            layers = json.loads((Path(d) / "config.json").read_text()).get("feature_layers")
+        except (OSError, json.JSONDecodeError):
+            continue  # load_heads says what is wrong with the directory
+        if layers:
+            set_feature_layers(model, layers)
 
 
 def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, dict]:
