@@ -210,16 +210,20 @@ def test_disconnect_mid_stream_frees_the_row_and_leaves_others_intact():
             finished.append(req.result.finish_reason if req.result is not None else None)
             fin(req)
         worker._finish = spy
-        heard, cancel, tokens, sent = threading.Event(), worker.cancel, worker._tokens, {}
+        read, heard, cancel, tokens, sent = threading.Event(), threading.Event(), worker.cancel, worker._tokens, [0]
 
         def cancel_spy(req):
             cancel(req)
             heard.set()
 
-        def tokens_spy(req, ids):  # the tiny model could end the cut stream before the server hears the client go
-            tokens(req, ids)
-            sent[id(req)] = sent.get(id(req), 0) + len(ids)
-            if req.max_new_tokens == 400 and sent[id(req)] >= 40:
+        def tokens_spy(req, ids):  # the tiny model could end the cut stream before the server hears the client go:
+            tokens(req, ids)  # once the client has read its lines, the row waits for the server to hear it leave
+            if req.max_new_tokens != 400:
+                return
+            sent[0] += len(ids)
+            if sent[0] >= 200:  # far more tokens than the client's six lines need
+                read.wait(30)
+            if read.is_set():
                 heard.wait(30)
         worker.cancel, worker._tokens = cancel_spy, tokens_spy
         want = single("pld", PROMPTS[3], 120)
@@ -239,6 +243,7 @@ def test_disconnect_mid_stream_frees_the_row_and_leaves_others_intact():
                 lines = r.iter_lines()
                 for _ in range(6):
                     next(lines)
+                read.set()
         other.join(120)
         assert out == [want]
         t0 = time.monotonic()
