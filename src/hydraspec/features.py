@@ -13,7 +13,7 @@ import torch
 
 from .errors import HydraspecError
 
-__all__ = ["set_feature_layers", "feature_layers", "features", "feature_width"]
+__all__ = ["set_feature_layers", "feature_layers", "features"]
 
 _ATTR = "hs_feature_layers"
 
@@ -34,12 +34,6 @@ def set_feature_layers(model, layers: list[int] | None) -> None:
 
 def feature_layers(model) -> tuple[int, ...] | None:
     return getattr(model, _ATTR, None)
-
-
-def feature_width(model) -> int:
-    """The width of a feature row: hidden size times the number of layers joined."""
-    layers = feature_layers(model)
-    return model.config.get_text_config(decoder=True).hidden_size * (len(layers) if layers else 1)
 
 
 def features(model, hidden_states) -> torch.Tensor:

@@ -24,6 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from ..cache import cache_kwargs
 from .eagle import EagleHeads, causal_mask
+from .modules import Heads
 
 __all__ = ["Eagle3Heads", "default_feature_layers", "layer_config"]
 
@@ -66,7 +67,8 @@ class Eagle3Heads(EagleHeads):
 
     def __init__(self, hidden, vocab, feature_layers, num_heads=4, lm_head=None, own_projection=False,
                  vocab_subset=None, config: LlamaConfig | None = None):
-        super().__init__(hidden, vocab, num_heads, 1, lm_head, own_projection, vocab_subset)
+        # the common heads' part only: EagleHeads' own fc and layer are not this head's
+        Heads.__init__(self, hidden, vocab, num_heads, 1, lm_head, own_projection, vocab_subset)
         self.feature_layers = [int(i) for i in feature_layers]
         if len(self.feature_layers) < 2:
             raise ValueError("an EAGLE-3 head reads at least two layers")
