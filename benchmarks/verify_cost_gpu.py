@@ -432,6 +432,69 @@ def bench_model(name, model, sizes, reps, warmup, device, vocab, profile_k, grap
             "prefix_ids": prefix_ids}
 
 
+@torch.inference_mode()
+def bench_batched(name, model, sizes, batches, reps, warmup, device, vocab) -> list[dict]:
+    """Verify forwards of B rows at once, each row a tree of n nodes after its own 512-token prefix (B * n new
+    tokens), eager and replayed as a CUDA graph over a StaticCache of B rows (see the module docstring);
+    rows {"batch", "n", "tokens", "tree_ms", "tree_graph_ms"}, ms of the whole forward (divide by B for a row)."""
+    timer, out = Timer(device), []
+    g = torch.Generator().manual_seed(7)
+    kv_len = PREFIX + max(sizes)
+    with_cp = takes_cache_position(model)
+    for B in batches:
+        prefix_ids = torch.randint(100, vocab, (B, PREFIX), generator=g).to(device)
+        cache = StaticCache(config=model.config, max_cache_len=kv_len)
+        pre = static_inputs(model, chain_parents(PREFIX), 0, kv_len, device, with_cp)
+        pre["position_ids"] = pre["position_ids"].expand(B, -1)
+        pre["attention_mask"] = pre["attention_mask"].expand(B, -1, -1, -1)
+        model(prefix_ids, past_key_values=cache, use_cache=True, **pre)
+        for n in sizes:
+            kw = static_inputs(model, tree_parents(n), PREFIX, kv_len, device, with_cp)
+            kw["position_ids"] = kw["position_ids"].expand(B, -1).contiguous()
+            kw["attention_mask"] = kw["attention_mask"].expand(B, -1, -1, -1).contiguous()
+            kw["input_ids"] = torch.randint(100, vocab, (B, n), generator=g).to(device)
+
+            def forward():
+                rewind_static(cache, PREFIX)
+                return model(**kw, past_key_values=cache, use_cache=True)
+            row = {"batch": B, "n": n, "tokens": B * n}
+            eager = []
+            for r in range(warmup + reps):
+                ms = timer(forward)
+                if r >= warmup:
+                    eager.append(ms)
+            row["tree_ms"] = statistics.median(eager)
+            try:
+                if device.type != "cuda":
+                    raise RuntimeError("no CUDA device")
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        forward()
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                rewind_static(cache, PREFIX)
+                with torch.cuda.graph(graph):
+                    model(**kw, past_key_values=cache, use_cache=True)
+                times = []
+                for r in range(warmup + reps):
+                    rewind_static(cache, PREFIX)
+                    ms = timer(graph.replay)
+                    if r >= warmup:
+                        times.append(ms)
+                row["tree_graph_ms"] = statistics.median(times)
+                del graph
+            except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                row["tree_graph_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+            out.append(row)
+            gm = row.get("tree_graph_ms")
+            print(f"  {name} batch {B:3d} n={n:4d}: tree {row['tree_ms']:8.2f} ms  graph "
+                  f"{'failed' if gm is None else format(gm, '8.3f')} ms", flush=True)
+        del cache
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -446,6 +509,9 @@ def main() -> None:
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="also time each forward replayed as a CUDA graph (default: on with CUDA; skipped on the CPU)")
     ap.add_argument("--graph-reps", type=int, default=None, help="timed replays per size and variant (default --reps)")
+    ap.add_argument("--batches", default="", help="comma-separated batch sizes B: also time B rows' trees in one forward "
+                    "(graphs on CUDA only; e.g. 1,4,8,16)")
+    ap.add_argument("--only-batches", action="store_true", help="with --batches: skip the one-row tables and checks")
     a = ap.parse_args()
 
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -478,8 +544,16 @@ def main() -> None:
         model = build(shape, vocab, dtype, device, seed=0)
         params = sum(p.numel() for p in model.parameters())
         print(f"{name}: {params / 1e6:.1f} M parameters, built in {time.perf_counter() - t:.1f} s", flush=True)
+        batches = [int(x) for x in a.batches.split(",") if x]
+        if a.only_batches and batches:
+            result["models"][name] = {"batched": bench_batched(name, model, sizes, batches, reps, a.warmup, device, vocab)}
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
+            continue
         r = bench_model(name, model, sizes, reps, a.warmup, device, vocab, profile_k, graphs, graph_reps)
         prefix_ids = r.pop("prefix_ids")
+        if batches:
+            r["batched"] = bench_batched(name, model, sizes, batches, reps, a.warmup, device, vocab)
         if not a.no_fp32_check and dtype != torch.float32:
             model = model.float()
             r["checks"].append(check_tree(model, prefix_ids, tree_parents(max(sizes)), vocab, device))
@@ -498,6 +572,8 @@ def main() -> None:
         json.dump(result, f, indent=1)
     print()
     for name, r in result["models"].items():
+        if "rows" not in r:
+            continue
         graph_note = f", graphs median of {graph_reps}" if graphs else ""
         print(f"{name} ({env['device']}, {env['dtype']}, prefix {PREFIX}, median of {reps}{graph_note}; "
               f"ratio = ms / chain n=1)")

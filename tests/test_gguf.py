@@ -1,5 +1,7 @@
 """GGUF weights at the file's own precision: exact import per type, row-independent products, the loader's
 tensor mapping (llama's permuted q/k rows included), and the torch fallback."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -165,6 +167,41 @@ def _write_tiny_llama(path, types, output: str | None = None):
     w.close()
 
 
+def test_a_files_layout_is_read_once_and_follows_the_file(tmp_path, monkeypatch):
+    """The header is parsed once per file: a second load takes the kept layout and builds the same model; a
+    rewritten file (other types, other offsets) is parsed again, never built from the stale layout."""
+    from transformers import LlamaConfig
+
+    from hydraspec.cpu import gguf_layout
+    from hydraspec.cpu.gguf_load import build_model
+
+    monkeypatch.setenv("HYDRASPEC_HOME", str(tmp_path / "home"))
+    parsed = []
+    real_reader = gguf_layout.GGUFReader
+    monkeypatch.setattr(gguf_layout, "GGUFReader", lambda f: parsed.append(f) or real_reader(f))
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    path = tmp_path / "tiny.gguf"
+    ids = torch.tensor([[1, 5, 9, 33]])
+
+    def logits():
+        with torch.no_grad():
+            return build_model(path, config, torch.float32, "eager", progress=False)(ids).logits
+
+    _write_tiny_llama(path, ["Q4_K", "Q6_K", "Q8_0"])
+    first = logits()
+    assert len(parsed) == 1 and gguf_layout.index_path(path).exists()
+    assert torch.equal(logits(), first) and len(parsed) == 1  # from the index
+    _write_tiny_llama(path, ["Q8_0", "Q5_0", "Q4_0", "Q6_K"])
+    os.utime(path, ns=(1, 1))  # even with an old time stamp: the size tells the files apart
+    changed = logits()
+    assert len(parsed) == 2 and not torch.equal(changed, first)
+    for f in gguf_layout.index_path(path).parent.iterdir():
+        f.unlink()
+    assert torch.equal(logits(), changed) and len(parsed) == 3  # what a fresh parse builds
+
+
 @pytest.mark.parametrize("types", [["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1", "Q5_K", "Q4_0", "Q5_1"],
                                    ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]])
 def test_loader_maps_every_tensor_as_transformers_does(tmp_path, types):
@@ -270,8 +307,9 @@ def test_without_a_compiler_everything_runs_on_torch(tmp_path):
 
 
 def test_install_time_build_is_used_and_needs_no_compiler_later(tmp_path):
-    """What `pip install` builds (native_build.build_all, run by setup.py) is loaded as it is, with no
-    compiler at run time; a library built from other sources (another name) is never loaded."""
+    """What `pip install` builds (setup.py runs native_build.build_all, one compile_library per build) is
+    loaded as it is, with no compiler at run time; a library built from other sources (another name) is
+    never loaded. Only this CPU's build is compiled here (the other one cannot load on it anyway)."""
     import os
     import subprocess
     import sys
@@ -282,8 +320,9 @@ def test_install_time_build_is_used_and_needs_no_compiler_later(tmp_path):
     if isa is None:
         pytest.skip("no AVX2 / AVX-512 CPU")
     pre = tmp_path / "prebuilt"
-    if native_build.build_all(pre, say=lambda m: None) == 0:
-        pytest.skip("no C compiler")
+    so, why = native_build.compile_library(isa, pre)
+    if so is None:
+        pytest.skip(f"no {isa} build: {why}")
     name = native_build.library_name(isa)
     assert (pre / name).exists()
     (pre / "bf16_linear-stale.so").write_bytes(b"not a library")

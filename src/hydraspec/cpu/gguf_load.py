@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import transformers
-from gguf import GGUFReader, dequantize
+from gguf import dequantize
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..draft_vocab import DraftVocabHead, cut_output
 from ..errors import HydraspecError
 from .gguf import GGUFEmbedding, GGUFLinear
+from .gguf_layout import file_layout
 from .kernels import release_free_memory
 
 __all__ = ["build_model", "RowReader"]
@@ -70,24 +71,18 @@ class _Skeleton:
 
 def _skeleton(gguf_file, config, dtype: torch.dtype, attn_implementation: str | None) -> _Skeleton:
     from accelerate import init_empty_weights  # heavy
-    from transformers.modeling_gguf_pytorch_utils import (  # heavy
-        TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map)
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor  # heavy
 
-    reader = GGUFReader(str(gguf_file))
-    arch = str(reader.fields["general.architecture"].contents())
-    reader.fields.clear()  # the metadata (the tokenizer's strings) is large as parsed objects
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     with init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    mapping = get_gguf_hf_weights_map(model, processor)
+    layout = file_layout(gguf_file, model, lambda arch: TENSOR_PROCESSORS.get(arch, TensorProcessor)(
+        config=config.to_dict()))
+    processor = TENSOR_PROCESSORS.get(layout.arch, TensorProcessor)(config=config.to_dict())
     out_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
-    # what each tensor is and where it lies; the reader (and its memory map) goes before any weight is read
-    tensors = [(t.name, t.tensor_type, int(t.shape[1]) if len(t.shape) > 1 else 1, int(t.shape[0]), int(t.data_offset),
-                int(t.n_bytes), t.data.dtype, t.data.shape) for t in reader.tensors]
-    return _Skeleton(model, processor, mapping, tensors, out_name)
+    return _Skeleton(model, processor, layout.mapping, layout.tensors, out_name)
 
 
 def _read_tensors(gguf_file, sk: _Skeleton, progress: bool, output_rows: torch.Tensor | None):
