@@ -28,6 +28,7 @@ import ctypes
 from functools import lru_cache
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -94,6 +95,8 @@ def _run(compiled, past: int, cache: dict, input_ids, position_ids=None, attenti
         position_ids = torch.arange(past, past + n)[None]
     duck = fx_config.use_duck_shape  # off: sizes that happen to be equal (rows, heads) must not become one
     fx_config.use_duck_shape = False
+    floats = dynamo_config.specialize_float  # on: a float scalar made symbolic restarts the whole trace
+    dynamo_config.specialize_float = True
     kw = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **cache,
               use_cache=use_cache)
     try:
@@ -105,6 +108,7 @@ def _run(compiled, past: int, cache: dict, input_ids, position_ids=None, attenti
             out = compiled[0](**kw, output_hidden_states=False, logits_to_keep=0)
     finally:
         fx_config.use_duck_shape = duck
+        dynamo_config.specialize_float = floats
     if 0 < logits_to_keep < n:
         out.logits = out.logits[:, -logits_to_keep:]
     return out
