@@ -58,7 +58,9 @@ def file_layout(gguf_file, model, processor_for: Callable[[str], object]) -> Lay
     where = index_path(gguf_file)
     try:
         data = json.loads(where.read_text())
-        return Layout(data["arch"], [_tensor_from_json(t) for t in data["tensors"]], data["mapping"])
+        layout = Layout(data["arch"], [_tensor_from_json(t) for t in data["tensors"]], data["mapping"])
+        if layout.tensors and max(t[4] + t[5] for t in layout.tensors) <= Path(gguf_file).stat().st_size:
+            return layout
     except (OSError, ValueError, KeyError, TypeError):
         pass
     layout = _read(gguf_file, model, processor_for)
