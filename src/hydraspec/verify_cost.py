@@ -8,26 +8,18 @@ import os
 import time
 import weakref
 from collections import Counter
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
 from . import backend
 from .cache import new_cache, text_config
-from .home import hydraspec_home
+from .home import hydraspec_home, installed_version
 from .verify import forward_nodes
 
 SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in row blocks, so cost is not smooth
 
 
 _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(sizes, prefix): costs}
-
-
-def _version() -> str:
-    try:
-        return version("hydraspec")
-    except PackageNotFoundError:
-        return ""
 
 
 def stored_cost_path(model, sizes=SIZES, prefix: int = 64, repeats: int = 2):
@@ -39,7 +31,7 @@ def stored_cost_path(model, sizes=SIZES, prefix: int = 64, repeats: int = 2):
     if model.device.type != "cpu":
         return None
     layers = sorted(Counter(type(m).__name__ for m in model.modules()).items())
-    what = [_version(), type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
+    what = [installed_version("hydraspec"), type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
             getattr(model.config, "_name_or_path", ""), backend.cpu_model(), os.cpu_count(), torch.get_num_threads(),
             backend.build_id(), backend.describe(), list(sizes), prefix, repeats]
     key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]

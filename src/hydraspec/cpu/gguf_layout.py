@@ -13,14 +13,13 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ..home import hydraspec_home
+from ..home import hydraspec_home, installed_version
 
 __all__ = ["Layout", "file_layout", "index_path"]
 
@@ -37,18 +36,11 @@ class Layout:
     mapping: dict[str, str]
 
 
-def _version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return ""
-
-
 def index_path(gguf_file) -> Path:
     """Where the index of ``gguf_file`` is kept (named by a hash of what it depends on)."""
     path = Path(gguf_file).resolve()
     st = path.stat()
-    key = f"{FORMAT}|{path}|{st.st_size}|{st.st_mtime_ns}|{_version('transformers')}|{_version('gguf')}"
+    key = f"{FORMAT}|{path}|{st.st_size}|{st.st_mtime_ns}|{installed_version('transformers')}|{installed_version('gguf')}"
     return hydraspec_home() / "gguf-index" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

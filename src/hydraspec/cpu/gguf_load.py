@@ -78,9 +78,10 @@ def _skeleton(gguf_file, config, dtype: torch.dtype, attn_implementation: str | 
         kwargs["attn_implementation"] = attn_implementation
     with init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-    layout = file_layout(gguf_file, model, lambda arch: TENSOR_PROCESSORS.get(arch, TensorProcessor)(
-        config=config.to_dict()))
-    processor = TENSOR_PROCESSORS.get(layout.arch, TensorProcessor)(config=config.to_dict())
+    def processor_for(arch: str):
+        return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    layout = file_layout(gguf_file, model, processor_for)
+    processor = processor_for(layout.arch)
     out_name = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     return _Skeleton(model, processor, layout.mapping, layout.tensors, out_name)
 
