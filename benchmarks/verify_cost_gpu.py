@@ -258,6 +258,33 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> dict:
             "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
 
 
+def capture_graph(forward, run, before):
+    """``forward()`` three times on a side stream (as CUDA graph capture needs), ``before()``, then ``run()``
+    captured as one graph; returns (graph, what run returned: its static output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(s)
+    before()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+def time_replays(graph, rewind, timer, warmup: int, reps: int) -> list[float]:
+    """ms of each of ``reps`` replays after ``warmup``, ``rewind()`` (outside the timed region) before each."""
+    times = []
+    for r in range(warmup + reps):
+        rewind()
+        ms = timer(graph.replay)
+        if r >= warmup:
+            times.append(ms)
+    return times
+
+
 @torch.inference_mode()
 def bench_graphs(name, model, prefix_ids, rows, ids_by_n, reps, warmup, device, use_graphs: bool) -> dict:
     """Adds chain_graph_ms / tree_graph_ms (or chain_graph_error / tree_graph_error) to each row, timing
@@ -297,16 +324,9 @@ def bench_graphs(name, model, prefix_ids, rows, ids_by_n, reps, warmup, device, 
                 row[f"{kind}_graph_error"] = f"not tried: {broken}"
                 continue
             try:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        forward(kind)
-                torch.cuda.current_stream().wait_stream(s)
-                rewind_static(cache, PREFIX)  # not needed for the capture (nothing runs), done for tidiness
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    out = model(**static[kind], past_key_values=cache, use_cache=True)
+                g, out = capture_graph(lambda: forward(kind),
+                                       lambda: model(**static[kind], past_key_values=cache, use_cache=True),
+                                       lambda: rewind_static(cache, PREFIX))
                 graphs[kind], logits[kind] = g, out.logits
                 del out
             except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
@@ -320,12 +340,11 @@ def bench_graphs(name, model, prefix_ids, rows, ids_by_n, reps, warmup, device, 
         if graphs:
             times: dict = {kind: [] for kind in graphs}
             try:
-                for r in range(warmup + reps):
+                for _ in range(warmup + reps):  # the kinds alternate, one replay each per round
                     for kind, g in graphs.items():
-                        rewind_static(cache, PREFIX)  # outside the timed region (Timer synchronizes first)
-                        ms = timer(g.replay)
-                        if r >= warmup:
-                            times[kind].append(ms)
+                        times[kind] += time_replays(g, lambda: rewind_static(cache, PREFIX), timer, 0, 1)
+                for kind in times:
+                    times[kind] = times[kind][warmup:]
                 for kind, t in times.items():
                     row[f"{kind}_graph_ms"] = statistics.median(t)
                     row[f"{kind}_graph_ms_min"] = min(t)
@@ -467,23 +486,10 @@ def bench_batched(name, model, sizes, batches, reps, warmup, device, vocab) -> l
             try:
                 if device.type != "cuda":
                     raise RuntimeError("no CUDA device")
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        forward()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                rewind_static(cache, PREFIX)
-                with torch.cuda.graph(graph):
-                    model(**kw, past_key_values=cache, use_cache=True)
-                times = []
-                for r in range(warmup + reps):
-                    rewind_static(cache, PREFIX)
-                    ms = timer(graph.replay)
-                    if r >= warmup:
-                        times.append(ms)
-                row["tree_graph_ms"] = statistics.median(times)
+                graph, _ = capture_graph(forward, lambda: model(**kw, past_key_values=cache, use_cache=True),
+                                         lambda: rewind_static(cache, PREFIX))
+                row["tree_graph_ms"] = statistics.median(
+                    time_replays(graph, lambda: rewind_static(cache, PREFIX), timer, warmup, reps))
                 del graph
             except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
                 row["tree_graph_error"] = f"{type(exc).__name__}: {exc}"[:1000]
