@@ -63,13 +63,15 @@ def test_rows_are_independent(type_name, native, monkeypatch):
         pytest.skip("no native GGUF kernel on this CPU")
     if not native:
         monkeypatch.setattr(gw, "_gguf_lib", lambda: None)
-    x = torch.randn(15, 512).bfloat16()
+    x = torch.randn(16, 512).bfloat16()
     x[3] *= 40  # a row with large values beside small ones
     with torch.no_grad():
         full = lin(x)
         alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
         pieces = torch.cat([lin(x[:7]), lin(x[7:])])
         ref = lin.reference(x)
+        for n in range(2, len(x)):  # every number of rows a verify forward takes, in one pass or several
+            assert torch.equal(lin(x[:n]), alone[:n]), n
     assert torch.equal(full, alone) and torch.equal(full, pieces)
     dense = x.float() @ lin.dequantized().T + lin.bias32
     scale = dense.abs().amax(-1, keepdim=True)
@@ -506,10 +508,33 @@ def test_avx2_gguf_rows_are_independent(type_name, monkeypatch):
     monkeypatch.setattr(gw, "_gguf_lib", lambda: avx2)
     lin = GGUFLinear(decode(type_name, random_tensor(type_name, 70, 512, seed=1), 70, 512), bias=torch.randn(70))
     torch.manual_seed(1)
-    x = _extreme_rows(torch.randn(15, 512).bfloat16())
+    x = _extreme_rows(torch.randn(16, 512).bfloat16())
     with torch.no_grad():
         full = lin(x)
         alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
         pieces = torch.cat([lin(x[:6]), lin(x[6:9]), lin(x[9:])])
         backwards = lin(x.flip(0)).flip(0)
+        for n in range(2, len(x)):
+            assert torch.equal(lin(x[:n]), alone[:n]), n
     assert torch.equal(full, alone) and torch.equal(full, pieces) and torch.equal(full, backwards)
+
+
+def test_a_chosen_library_takes_every_native_call(monkeypatch):
+    """Inside kernels.chosen_library(lib) the GGUF layers call ``lib`` (another build being timed against this
+    one), and after it the build they had."""
+    import hydraspec.cpu.gguf as gw
+    from hydraspec.cpu import kernels
+
+    calls = []
+
+    class Fake:
+        def hs_gguf_apply(self, x, n, call, y, threads):
+            calls.append(n)
+            return 0
+    lin = GGUFLinear(decode("Q4_K", random_tensor("Q4_K", 32, 256), 32, 256))
+    before = gw._gguf_lib()
+    with kernels.chosen_library(Fake()):
+        assert isinstance(gw._gguf_lib(), Fake) and isinstance(kernels.fused_lib(), Fake)
+        with torch.no_grad():
+            lin(torch.randn(3, 256).bfloat16())
+    assert calls == [3] and gw._gguf_lib() is before

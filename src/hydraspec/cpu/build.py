@@ -19,12 +19,12 @@ FLAGS = {"avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-s
          "avx2": ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]}
 
 
-def library_name(isa: str) -> str | None:
-    """The file name of ``isa``'s library for the sources now in ``csrc/`` (None: no such source)."""
-    src = CSRC / SOURCES[isa]
+def library_name(isa: str, csrc: Path = CSRC) -> str | None:
+    """The file name of ``isa``'s library for the sources now in ``csrc`` (None: no such source)."""
+    src = Path(csrc) / SOURCES[isa]
     if not src.exists():
         return None
-    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # and the headers
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(Path(csrc).glob("*.h")))  # and the headers
     key = hashlib.sha256(text + " ".join(FLAGS[isa]).encode()).hexdigest()[:16]
     return f"{src.stem}-{key}.so"
 
@@ -34,10 +34,11 @@ def prebuilt_dir() -> Path:
     return Path(os.environ.get("HYDRASPEC_PREBUILT") or PREBUILT)
 
 
-def compile_library(isa: str, out_dir: Path) -> tuple[Path | None, str]:
-    """Compile ``isa``'s library into ``out_dir`` (kept if already there); returns (path or None, why not).
-    OpenMP is used when the compiler has it (it splits rows over cores)."""
-    name = library_name(isa)
+def compile_library(isa: str, out_dir: Path, csrc: Path = CSRC) -> tuple[Path | None, str]:
+    """Compile ``isa``'s library from the sources in ``csrc`` (another version's, for comparisons) into
+    ``out_dir`` (kept if already there); returns (path or None, why not). OpenMP is used when the compiler
+    has it (it splits rows over cores)."""
+    name = library_name(isa, csrc)
     if name is None:
         return None, f"no source for {isa}"
     so = Path(out_dir) / name
@@ -50,7 +51,7 @@ def compile_library(isa: str, out_dir: Path) -> tuple[Path | None, str]:
         with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
             tmp_so = Path(tmp) / name
             for extra in (["-fopenmp"], []):
-                res = subprocess.run([cc, *FLAGS[isa], *extra, str(CSRC / SOURCES[isa]), "-o", str(tmp_so)],
+                res = subprocess.run([cc, *FLAGS[isa], *extra, str(Path(csrc) / SOURCES[isa]), "-o", str(tmp_so)],
                                      capture_output=True, text=True)
                 if res.returncode == 0:
                     os.replace(tmp_so, so)  # atomic: a half-written library is never loaded

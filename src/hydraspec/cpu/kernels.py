@@ -28,6 +28,7 @@ import ctypes
 import os
 import time
 import warnings
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -80,13 +81,31 @@ def release_free_memory() -> None:
         pass
 
 
+_CHOSEN: list = []  # libraries chosen by chosen_library(), innermost last
+
+
+@contextmanager
+def chosen_library(lib):
+    """Inside, every native call of every layer goes to ``lib`` (a :func:`load_library` of another build
+    of the same ISA, e.g. an older version's, which benchmarks time against this one in one process)."""
+    _CHOSEN.append(lib)
+    try:
+        yield lib
+    finally:
+        _CHOSEN.pop()
+
+
 @lru_cache(maxsize=1)
-def native_lib():
-    """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""
+def _native_lib():
     isa = native_isa()
     if os.environ.get("HYDRASPEC_NATIVE", "1") == "0" or isa is None:
         return None
     return build_native(isa)
+
+
+def native_lib():
+    """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""
+    return _CHOSEN[-1] if _CHOSEN else _native_lib()
 
 
 @lru_cache(maxsize=None)
@@ -104,6 +123,11 @@ def build_native(isa: str):
             warnings.warn(f"hydraspec: could not compile the {isa} CPU kernel ({err}); using torch's kernels "
                           "(slower verify steps)", stacklevel=2)
             return None
+    return load_library(so, isa)
+
+
+def load_library(so, isa: str):
+    """A native build (the .so at ``so``, of ``isa``) loaded, its entry points typed for ctypes."""
     lib = ctypes.CDLL(str(so))
     fn = lib.hs_linear_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -306,11 +330,15 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
-@lru_cache(maxsize=1)
 def int8_dot_lib():
     """The native build that runs the int8 x int8 dot products of w8a8 / w4a8 here, or None: the AVX-512
     build where the CPU has AVX512_VNNI, else the AVX2 build (vpmaddubsw; AVX2 CPUs and AVX-512 ones
     without VNNI), with the same integer sums. Decided once, as every w8a8 / w4a8 Linear call asks."""
+    return _CHOSEN[-1] if _CHOSEN else _int8_dot_lib()
+
+
+@lru_cache(maxsize=1)
+def _int8_dot_lib():
     if native_lib() is None:
         return None
     if native_isa() == "avx512" and "avx512_vnni" in _cpu_flags():
@@ -318,10 +346,14 @@ def int8_dot_lib():
     return build_native("avx2") if cpu_runs("avx2") else None
 
 
-@lru_cache(maxsize=1)
 def fused_lib():
     """The native kernel for the fused small operations (RMSNorm, few-query attention), or None: without
     the kernel, or with HYDRASPEC_FUSED=0 (then torch computes them, as before)."""
+    return _CHOSEN[-1] if _CHOSEN else _fused_lib()
+
+
+@lru_cache(maxsize=1)
+def _fused_lib():
     return native_lib() if os.environ.get("HYDRASPEC_FUSED", "1") != "0" else None
 
 
