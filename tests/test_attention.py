@@ -130,3 +130,15 @@ def test_ragged_rows_equal_their_visible_keys_alone(dtype):
                 alone, _ = cpu_attention(module(h // hkv), q[b:b + 1, :, i:i + 1], k[b:b + 1, :, keys],
                                          v[b:b + 1, :, keys], None)
             assert torch.equal(out[b, i], alone[0, 0])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_head_sizes_that_are_not_a_multiple_of_16(n):
+    """Head sizes of 8 and 24 (the kernel takes values 8 dimensions at a time), with the query blocks of 8 and
+    of 4 rows that 6 query heads a kv head make (n = 1: one of 6 rows; 2: 12 = 8 + 4; 5: 30 = 8 + 8 + 8 + 6)."""
+    for d in (8, 24):
+        q, k, v = inputs(1, 12, 2, n, 70, d=d, seed=d + n)
+        mask = tree_bool_mask(1, n, 70, seed=n)
+        ref, _ = sdpa_attention_forward(module(6), q, k, v, mask, scaling=0.3)
+        out, _ = cpu_attention(module(6), q, k, v, mask, scaling=0.3)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -186,40 +186,80 @@ static inline int hidden_for_all(const void* const* m, int nr, int mkind, int64_
     return 1;
 }
 
-/* Four query rows of one kv head against its L keys (rows past nr repeat row 0 and are dropped):
-   scores, softmax and the weighted values, into o[4][DV] fp32. Each key and value vector is converted
-   once for the four rows; a key hidden from all four (another row's slots, padding) is not read. Every
-   dot product runs over the dimensions in 8 lanes, summed in a fixed order, and every weighted sum
-   visits the keys in order (hidden keys add exact zeros), so a row's result depends on nothing but the
-   row and the keys it sees: not on the rows beside it, nor on hidden keys between those it sees. D and
-   DV are multiples of 8 (checked by the caller). */
-#define HS_ATTN_BLOCK(NAME, LD8)                                                                      \
+/* One query row's scores s[0 .. L) after the dot products: -inf where the mask hides key j (or the score is
+   -inf already), else the score plus the mask's value (0 for a bool mask); returns their maximum (-inf if
+   none). Eight keys at a time, each with the same operations as one at a time. */
+static inline float mask_scores(float* s, const void* m, int mkind, int64_t L) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mx8 = ninf;
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) {
+        __m256 x = _mm256_loadu_ps(s + j);
+        if (mkind) {
+            __m256 add, hid;
+            if (mkind == 1) {
+                const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)m + j)));
+                hid = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256()));
+                add = _mm256_setzero_ps();
+            } else {
+                add = mkind == 2 ? ld8_f32(m, j) : ld8_bf16(m, j);
+                hid = _mm256_cmp_ps(add, _mm256_set1_ps(-1e30f), _CMP_LT_OQ);
+            }
+            hid = _mm256_or_ps(hid, _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ));
+            x = _mm256_blendv_ps(_mm256_add_ps(x, add), ninf, hid);
+            _mm256_storeu_ps(s + j, x);
+        }
+        mx8 = _mm256_max_ps(x, mx8); /* x NaN: mx8 kept, as the scalar x > mx */
+    }
+    float l[8], mx = -INFINITY;
+    _mm256_storeu_ps(l, mx8);
+    for (int i = 0; i < 8; i++) if (l[i] > mx) mx = l[i];
+    for (; j < L; j++) {
+        if (mkind) {
+            int hidden = 0;
+            float add = mask_at(m, mkind, j, &hidden);
+            s[j] = (hidden || s[j] == -INFINITY) ? -INFINITY : s[j] + add;
+        }
+        if (s[j] > mx) mx = s[j];
+    }
+    return mx;
+}
+
+/* AB query rows of one kv head against its L keys (rows past nr repeat row 0 and are dropped): scores,
+   softmax and the weighted values, into o[AB][DV] fp32. Each key and value vector is converted once for the
+   AB rows; a key hidden from all of them (another row's slots, padding) is not read. Every dot product runs
+   over the dimensions in 8 lanes, summed in a fixed order, and every weighted sum visits the keys in order
+   (keys every row weighs exactly 0 are skipped: they would add exact zeros), so a row's result depends on
+   nothing but the row and the keys it sees: not on the rows beside it, nor on hidden keys between those it
+   sees. The rows' sums are interleaved, which changes no row's order of operations. D and DV are multiples
+   of 8 (checked by the caller); live has room for L indices. */
+#define HS_ATTN_KEYS 32 /* keys per tile of the weighted sum of values */
+#define HS_ATTN_BLOCK(NAME, LD8, AB)                                                                  \
 static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,        \
                  int64_t ks, const void* v, int64_t vs, int64_t L, int64_t D, int64_t DV, float scale, \
-                 float* qf, float* s, float* o) {                                                     \
-    for (int r = 0; r < 4; r++)                                                                       \
+                 float* qf, float* s, float* o, int32_t* live) {                                      \
+    for (int r = 0; r < AB; r++)                                                                      \
         for (int64_t t = 0; t < D; t += 8) _mm256_storeu_ps(qf + r * D + t, LD8(q[r < nr ? r : 0], t)); \
-    __m256 acc[4][8];                                                                                 \
+    __m256 acc[AB][8];                                                                                \
     int hid[8];                                                                                       \
     for (int64_t j0 = 0; j0 < L; j0 += 8) {                                                           \
         const int nk = L - j0 < 8 ? (int)(L - j0) : 8;                                                \
         for (int jj = 0; jj < nk; jj++) {                                                             \
             const int64_t j = j0 + jj;                                                                \
             hid[jj] = mkind && hidden_for_all(m, nr, mkind, j);                                       \
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                               \
+            __m256 a[AB];                                                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) a[r] = _mm256_setzero_ps();          \
             if (!hid[jj]) {                                                                           \
                 const int64_t kj = j * ks;                                                            \
                 for (int64_t t = 0; t < D; t += 8) {                                                  \
                     const __m256 kv = LD8(k, kj + t);                                                 \
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + t), kv, a0);                            \
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + D + t), kv, a1);                        \
-                    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 2 * D + t), kv, a2);                    \
-                    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 3 * D + t), kv, a3);                    \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                              \
+                        a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + t), kv, a[r]);            \
                 }                                                                                     \
             }                                                                                         \
-            acc[0][jj] = a0; acc[1][jj] = a1; acc[2][jj] = a2; acc[3][jj] = a3;                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj] = a[r];                   \
         }                                                                                             \
-        for (int r = 0; r < 4; r++) {                                                                 \
+        for (int r = 0; r < AB; r++) {                                                                \
             float* sr = s + r * L + j0;                                                               \
             if (nk == 8) {                                                                            \
                 _mm256_storeu_ps(sr, _mm256_mul_ps(sum8x8(acc[r]), _mm256_set1_ps(scale)));           \
@@ -229,50 +269,48 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
             for (int jj = 0; jj < nk; jj++) if (hid[jj]) sr[jj] = -INFINITY;                          \
         }                                                                                             \
     }                                                                                                 \
-    float den[4];                                                                                     \
-    for (int r = 0; r < 4; r++) {                                                                     \
+    float den[AB];                                                                                    \
+    for (int r = 0; r < AB; r++) {                                                                    \
         float* sr = s + r * L;                                                                        \
-        const void* mr = m[r < nr ? r : 0];                                                           \
-        float mx = -INFINITY;                                                                         \
-        for (int64_t j = 0; j < L; j++) {                                                             \
-            if (mkind) {                                                                              \
-                int hidden = 0;                                                                       \
-                float add = mask_at(mr, mkind, j, &hidden);                                           \
-                sr[j] = (hidden || sr[j] == -INFINITY) ? -INFINITY : sr[j] + add;                     \
-            }                                                                                         \
-            if (sr[j] > mx) mx = sr[j];                                                               \
-        }                                                                                             \
-        den[r] = 0.0f;                                                                                \
+        const float mx = mask_scores(sr, m[r < nr ? r : 0], mkind, L);                                \
         if (mx == -INFINITY) {                                                                        \
             for (int64_t j = 0; j < L; j++) sr[j] = 0.0f;                                             \
         } else {                                                                                      \
             exp_shifted(sr, L, mx);                                                                   \
         }                                                                                             \
-        for (int64_t j = 0; j < L; j++) den[r] += sr[j];                                              \
+        den[r] = 0.0f;                                                                                \
     }                                                                                                 \
-    for (int64_t t0 = 0; t0 < DV; t0 += 16) {                                                         \
-        const int two = DV - t0 >= 16;                                                                \
-        __m256 c[4][2];                                                                               \
-        for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();                          \
-        for (int64_t j = 0; j < L; j++) {                                                             \
-            if (s[j] == 0.0f && s[L + j] == 0.0f && s[2 * L + j] == 0.0f && s[3 * L + j] == 0.0f) continue; \
-            const int64_t vj = j * vs + t0;                                                           \
-            const __m256 v0 = LD8(v, vj), v1 = two ? LD8(v, vj + 8) : v0;                             \
-            for (int r = 0; r < 4; r++) {                                                             \
-                const __m256 p = _mm256_set1_ps(s[r * L + j]);                                        \
-                c[r][0] = _mm256_fmadd_ps(p, v0, c[r][0]);                                            \
-                c[r][1] = _mm256_fmadd_ps(p, v1, c[r][1]);                                            \
+    int64_t nlive = 0;                                                                                \
+    for (int64_t j = 0; j < L; j++) { /* each row's sum in key order; the keys some row weighs */    \
+        int any = 0;                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) { den[r] += s[r * L + j]; any |= s[r * L + j] != 0.0f; } \
+        if (any) live[nlive++] = (int32_t)j;                                                          \
+    }                                                                                                 \
+    memset(o, 0, (size_t)(AB * DV) * sizeof(float));                                                  \
+    for (int64_t i0 = 0; i0 < nlive; i0 += HS_ATTN_KEYS) { /* a tile of values stays in L1 */          \
+        const int64_t i1 = nlive - i0 < HS_ATTN_KEYS ? nlive : i0 + HS_ATTN_KEYS;                     \
+        for (int64_t t0 = 0; t0 < DV; t0 += 8) {                                                      \
+            __m256 c[AB];                                                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) c[r] = _mm256_loadu_ps(o + r * DV + t0); \
+            for (int64_t i = i0; i < i1; i++) {                                                       \
+                const int64_t j = live[i];                                                            \
+                const __m256 vv = LD8(v, j * vs + t0);                                                \
+                _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                                  \
+                    c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + r * L + j), vv, c[r]);             \
             }                                                                                         \
+            _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) _mm256_storeu_ps(o + r * DV + t0, c[r]); \
         }                                                                                             \
-        for (int r = 0; r < 4; r++) {                                                                 \
-            const __m256 dn = _mm256_set1_ps(den[r] > 0.0f ? den[r] : 1.0f);                          \
-            _mm256_storeu_ps(o + r * DV + t0, _mm256_div_ps(c[r][0], dn));                            \
-            if (two) _mm256_storeu_ps(o + r * DV + t0 + 8, _mm256_div_ps(c[r][1], dn));               \
-        }                                                                                             \
+    }                                                                                                 \
+    for (int r = 0; r < AB; r++) {                                                                    \
+        const __m256 dn = _mm256_set1_ps(den[r] > 0.0f ? den[r] : 1.0f);                              \
+        for (int64_t t0 = 0; t0 < DV; t0 += 8)                                                        \
+            _mm256_storeu_ps(o + r * DV + t0, _mm256_div_ps(_mm256_loadu_ps(o + r * DV + t0), dn));   \
     }                                                                                                 \
 }
-HS_ATTN_BLOCK(attn_block_f32, ld8_f32)
-HS_ATTN_BLOCK(attn_block_bf16, ld8_bf16)
+HS_ATTN_BLOCK(attn_block4_f32, ld8_f32, 4)
+HS_ATTN_BLOCK(attn_block4_bf16, ld8_bf16, 4)
+HS_ATTN_BLOCK(attn_block8_f32, ld8_f32, 8)
+HS_ATTN_BLOCK(attn_block8_bf16, ld8_bf16, 8)
 
 /* q [B, H, N, D] with element strides qs = {b, h, n} (d contiguous); k [B, HKV, L, D] and v [B, HKV, L, DV]
    with strides ks / vs = {b, h, l}; mask [B, N, L] with strides ms = {b, n} (l contiguous), shared by
@@ -284,12 +322,12 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
                  const int64_t* vs, const void* mask, const int64_t* ms, int mkind, int bf16, int64_t B,
                  int64_t H, int64_t HKV, int64_t N, int64_t L, int64_t D, int64_t DV, float scale,
                  void* out, int nthreads) {
-    const int64_t g = H / HKV, rows = g * N, nblk = (rows + 3) / 4, tasks = B * HKV * nblk;
+    const int64_t g = H / HKV, rows = g * N, nblk = (rows + 7) / 8, tasks = B * HKV * nblk;
     const size_t es = bf16 ? 2 : 4, mes = mkind == 1 ? 1 : (mkind == 2 ? 4 : 2);
     int err = 0;
     #pragma omp parallel num_threads(nthreads) if(tasks > 1)
     {
-        float* buf = (float*)malloc((size_t)(4 * (D + L + DV)) * sizeof(float));
+        float* buf = (float*)malloc((size_t)(8 * (D + L + DV) + L) * sizeof(float));
         if (!buf) {
             #pragma omp atomic write
             err = 1;
@@ -297,11 +335,11 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
         #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             if (!buf) continue;
-            const int64_t b = task / (HKV * nblk), kvh = (task / nblk) % HKV, r0 = (task % nblk) * 4;
-            const int nr = rows - r0 < 4 ? (int)(rows - r0) : 4;
-            const void* qp[4];
-            const void* mp[4];
-            int64_t head[4], qi[4];
+            const int64_t b = task / (HKV * nblk), kvh = (task / nblk) % HKV, r0 = (task % nblk) * 8;
+            const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
+            const void* qp[8];
+            const void* mp[8];
+            int64_t head[8], qi[8];
             for (int r = 0; r < nr; r++) {
                 head[r] = kvh * g + (r0 + r) % g, qi[r] = (r0 + r) / g;
                 qp[r] = (const char*)q + (size_t)(b * qs[0] + head[r] * qs[1] + qi[r] * qs[2]) * es;
@@ -320,9 +358,14 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
             }
             const char* kp = (const char*)k + (size_t)(b * ks[0] + kvh * ks[1] + lo * ks[2]) * es;
             const char* vp = (const char*)v + (size_t)(b * vs[0] + kvh * vs[1] + lo * vs[2]) * es;
-            float *qf = buf, *s = buf + 4 * D, *o = buf + 4 * (D + L);
-            if (bf16) attn_block_bf16(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], hi - lo, D, DV, scale, qf, s, o);
-            else attn_block_f32(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], hi - lo, D, DV, scale, qf, s, o);
+            float *qf = buf, *s = buf + 8 * D, *o = buf + 8 * (D + L);
+            int32_t* live = (int32_t*)(buf + 8 * (D + L + DV));
+            typedef void (*blockfn)(const void* const*, const void* const*, int, int, const void*, int64_t,
+                                    const void*, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*,
+                                    int32_t*);
+            const blockfn run = nr <= 4 ? (bf16 ? attn_block4_bf16 : attn_block4_f32)
+                                        : (bf16 ? attn_block8_bf16 : attn_block8_f32);
+            run(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], hi - lo, D, DV, scale, qf, s, o, live);
             for (int r = 0; r < nr; r++) {
                 const int64_t off = ((b * N + qi[r]) * H + head[r]) * DV;
                 if (bf16) for (int64_t t = 0; t < DV; t++) ((uint16_t*)out)[off + t] = f2bf(o[r * DV + t]);
