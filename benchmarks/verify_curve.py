@@ -6,7 +6,10 @@ process, round by round alternating with this one's (--against REV), and llama.c
 batch sizes after the same prefix on the same file and threads (--llama-bench: llama-bench -p ... -d).
 
     python benchmarks/verify_curve.py qwen2.5-coder-1.5b-instruct [--against 8b39aae] [--llama-bench]
-        [--sizes 1,2,...] [--prefix 512] [--rounds 7] [--json out.json]
+        [--sizes 1,2,...] [--prefix 512] [--rounds 7] [--json out.json] [--compile]
+
+--compile times the compiled steps that decoding uses (forwards of up to 16 tokens; longer ones run eagerly);
+they hold this build's kernels, so --against is eager only.
 """
 import argparse
 import json
@@ -90,10 +93,13 @@ def main() -> None:
     ap.add_argument("--against", help="a git revision whose native kernels are timed beside these")
     ap.add_argument("--llama-bench", action="store_true", help="also time llama.cpp on the same file")
     ap.add_argument("--json", help="write the curves here")
+    ap.add_argument("--compile", action="store_true", help="the compiled steps (not with --against)")
     a = ap.parse_args()
+    if a.compile and a.against:
+        sys.exit("--against times eager forwards only: the compiled steps hold this build's kernels")
     torch.set_num_threads(a.threads)
     sizes = [int(s) for s in a.sizes.split(",")]
-    model, _ = load_model(a.model, quant="gguf", progress=False)
+    model, _ = load_model(a.model, quant="gguf", progress=False, compile=a.compile)
     libs = {"this": kernels.native_lib()}
     tmp = Path(tempfile.mkdtemp())
     try:
@@ -112,7 +118,7 @@ def main() -> None:
         print(f"| {n} | " + " | ".join(cells) + " |")
     if a.json:
         Path(a.json).write_text(json.dumps({"model": a.model, "prefix": a.prefix, "threads": a.threads,
-                                            "curves": curves}, indent=1))
+                                            "compiled": a.compile, "curves": curves}, indent=1))
 
 
 if __name__ == "__main__":
