@@ -18,17 +18,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from hydraspec.bench.llamacpp import tool
-from hydraspec.cache import new_cache, text_config
 from hydraspec.cpu import build, kernels
 from hydraspec.models import load_model
 from hydraspec.models.registry import gguf_file
-from hydraspec.verify import forward_nodes
+from hydraspec.verify_cost import forward_seconds, prefilled
 
 SIZES = ",".join(str(n) for n in list(range(1, 17)) + [20, 24, 32])
 
@@ -47,28 +45,15 @@ def older_kernels(rev: str, out: Path):
     return kernels.load_library(so, isa)
 
 
-def forward_ms(model, cache, prefix: int, n: int, g) -> float:
-    vocab = text_config(model).vocab_size
-    x = torch.randint(10, min(vocab, 1000), (n,), generator=g)
-    t = time.perf_counter()
-    forward_nodes(model, cache, x, torch.arange(prefix, prefix + n), None, prefix)
-    ms = (time.perf_counter() - t) * 1e3
-    cache.crop(prefix)
-    return ms
-
-
 def our_curves(model, libs: dict, sizes: list[int], prefix: int, rounds: int) -> dict:
     """{version: {n: median ms}}: every round times each size once with each library, in turn."""
-    g = torch.Generator().manual_seed(0)
-    cache = new_cache(model, prefix + max(sizes) + 4)
-    start = torch.randint(10, 1000, (prefix,), generator=g)
-    forward_nodes(model, cache, start, torch.arange(prefix), None, 0, last_only=True)
+    cache, vocab, g = prefilled(model, prefix, max(sizes))
     times = {name: {n: [] for n in sizes} for name in libs}
     for r in range(rounds + 1):  # the first round warms up and is not counted
         for n in sizes:
             for name, lib in libs.items():
                 with kernels.chosen_library(lib):
-                    ms = forward_ms(model, cache, prefix, n, g)
+                    ms = forward_seconds(model, cache, prefix, n, vocab, g) * 1e3
                 if r:
                     times[name][n].append(ms)
         print(f"round {r}/{rounds}", file=sys.stderr, flush=True)

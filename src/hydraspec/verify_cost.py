@@ -83,10 +83,10 @@ def store(path, out: dict[int, float]) -> None:
 
 def time_sizes(model, sizes, prefix: int, repeats: int) -> dict[int, float]:
     """The best of ``repeats`` forwards per size, then the least figure of each size and all larger ones."""
-    cache, vocab, g = _prefilled(model, prefix, max(sizes))
+    cache, vocab, g = prefilled(model, prefix, max(sizes))
     best = {}
     for n in sizes:
-        best[n] = min(_forward_seconds(model, cache, prefix, n, vocab, g) for _ in range(repeats))
+        best[n] = min(forward_seconds(model, cache, prefix, n, vocab, g) for _ in range(repeats))
     out, floor = {}, float("inf")
     for n in sorted(sizes, reverse=True):
         floor = min(floor, best[n])
@@ -96,23 +96,25 @@ def time_sizes(model, sizes, prefix: int, repeats: int) -> dict[int, float]:
 
 def still_true(model, out: dict[int, float], prefix: int, tolerance: float = 1.5) -> bool:
     """Whether a one-token forward now costs what ``out`` says, within ``tolerance`` either way."""
-    cache, vocab, g = _prefilled(model, prefix, 1)
-    now = min(_forward_seconds(model, cache, prefix, 1, vocab, g) for _ in range(3))
+    cache, vocab, g = prefilled(model, prefix, 1)
+    now = min(forward_seconds(model, cache, prefix, 1, vocab, g) for _ in range(3))
     return out[min(out)] / tolerance <= now <= out[min(out)] * tolerance
 
 
-def _prefilled(model, prefix: int, most: int):
+def prefilled(model, prefix: int, most: int):
     """A cache holding ``prefix`` random tokens (after a warm-up forward, which pays for allocations)."""
     vocab = text_config(model).vocab_size
     g = torch.Generator().manual_seed(0)
     start = torch.randint(10, min(vocab, 1000), (prefix,), generator=g).to(model.device)
     cache = new_cache(model, prefix + most + 4)
     forward_nodes(model, cache, start, torch.arange(prefix, device=model.device), None, 0, last_only=True)
-    _forward_seconds(model, cache, prefix, 4, vocab, g)
+    forward_seconds(model, cache, prefix, 4, vocab, g)
     return cache, vocab, g
 
 
-def _forward_seconds(model, cache, prefix: int, n: int, vocab: int, g) -> float:
+def forward_seconds(model, cache, prefix: int, n: int, vocab: int, g) -> float:
+    """Seconds of one forward over n random tokens after the ``prefix`` tokens of a :func:`prefilled` cache,
+    which is cut back to them after."""
     x = torch.randint(10, min(vocab, 1000), (n,), generator=g).to(model.device)
     positions = torch.arange(prefix, prefix + n, device=model.device)
     t = time.perf_counter()

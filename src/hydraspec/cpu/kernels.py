@@ -29,7 +29,7 @@ import os
 import time
 import warnings
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
 
 import torch
@@ -95,17 +95,23 @@ def chosen_library(lib):
         _CHOSEN.pop()
 
 
-@lru_cache(maxsize=1)
-def _native_lib():
+def _unless_chosen(find):
+    """A library lookup decided once (``find``, cached), which a chosen library overrides."""
+    cached = lru_cache(maxsize=1)(find)
+
+    @wraps(find)
+    def lookup():
+        return _CHOSEN[-1] if _CHOSEN else cached()
+    return lookup
+
+
+@_unless_chosen
+def native_lib():
+    """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""
     isa = native_isa()
     if os.environ.get("HYDRASPEC_NATIVE", "1") == "0" or isa is None:
         return None
     return build_native(isa)
-
-
-def native_lib():
-    """The compiled bf16 kernel (ctypes), or None when it cannot be built or used here."""
-    return _CHOSEN[-1] if _CHOSEN else _native_lib()
 
 
 @lru_cache(maxsize=None)
@@ -330,15 +336,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
+@_unless_chosen
 def int8_dot_lib():
     """The native build that runs the int8 x int8 dot products of w8a8 / w4a8 here, or None: the AVX-512
     build where the CPU has AVX512_VNNI, else the AVX2 build (vpmaddubsw; AVX2 CPUs and AVX-512 ones
     without VNNI), with the same integer sums. Decided once, as every w8a8 / w4a8 Linear call asks."""
-    return _CHOSEN[-1] if _CHOSEN else _int8_dot_lib()
-
-
-@lru_cache(maxsize=1)
-def _int8_dot_lib():
     if native_lib() is None:
         return None
     if native_isa() == "avx512" and "avx512_vnni" in _cpu_flags():
@@ -346,14 +348,10 @@ def _int8_dot_lib():
     return build_native("avx2") if cpu_runs("avx2") else None
 
 
+@_unless_chosen
 def fused_lib():
     """The native kernel for the fused small operations (RMSNorm, few-query attention), or None: without
     the kernel, or with HYDRASPEC_FUSED=0 (then torch computes them, as before)."""
-    return _CHOSEN[-1] if _CHOSEN else _fused_lib()
-
-
-@lru_cache(maxsize=1)
-def _fused_lib():
     return native_lib() if os.environ.get("HYDRASPEC_FUSED", "1") != "0" else None
 
 
