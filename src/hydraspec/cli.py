@@ -217,10 +217,10 @@ def _add_serve(sub) -> None:
     s.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
                    help="while requests decode, a new request's prompt is read this many tokens a step inside "
                         "their forwards, so they keep streaming (default 64; 0: read whole when it joins)")
-    s.add_argument("--max-step-cost", type=float, default=1.8, metavar="R",
-                   help="no step may take more than R times a usual step (the median of the recent steps that "
-                        "read no prompt), so no stream waits much longer than usual for its next tokens: drafts "
-                        "and prompt chunks are cut to fit (default 1.8; 0: no bound)")
+    s.add_argument("--max-step-cost", type=float, default=2.0, metavar="R",
+                   help="no step may cost more than R plain steps of the requests that decode, so no stream "
+                        "waits longer for its next tokens: drafts and prompt chunks are cut to fit (default 2; "
+                        "0: no bound)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--no-adaptive", action="store_true",

@@ -399,11 +399,10 @@ class Engine:
             self.drafter.observe(rec.states, verdicts)
         steps = [RowStep(r.state.key, r.state.tokens, int(s.depth[-1]), len(acc.path) - 1, r.done)
                  for r, s, acc in zip(rec.rows, rec.shapes, rec.accepted)]
-        chunk = sum(len(c) for c in rec.chunks.values())
-        read = sum(len(n) for n in rec.nodes) + chunk
+        read = sum(len(n) for n in rec.nodes) + sum(len(c) for c in rec.chunks.values())
         self.drafter.step_took(len(self.active), read, self.last_verify_s)
         self.policy.update(StepReport(len(rec.rows), max(len(t) for t in rec.trees), time.perf_counter() - rec.started,
-                                      sum(len(e) for e in rec.emitted), steps, read, chunk, len(rec.chunks)))
+                                      sum(len(e) for e in rec.emitted), steps, read))
         charge(rec.rows, "draft_s", time.perf_counter() - t0)
 
     # -- leaving --------------------------------------------------------------------------------------

@@ -8,13 +8,10 @@ accepted). Cutting a draft only drops candidates: the output never changes.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from typing import Callable
 
 from .drafters.base import DecodeState
-from .packed_cost import PackedCost
 from .tally import Tally, shadow_accepted
 from .tree import DraftTree
 
@@ -36,8 +33,7 @@ class RowStep:
 @dataclass
 class StepReport:
     """One engine step: ``rows`` running rows that drafted up to ``drafted`` nodes each took ``seconds`` and
-    emitted ``emitted`` tokens; ``tokens``: the new tokens its forward read (trees and prompt chunks), of which
-    ``chunk`` were prompt tokens of ``readers`` joining rows."""
+    emitted ``emitted`` tokens; ``tokens``: the new tokens its forward read (trees and prompt chunks)."""
 
     rows: int
     drafted: int
@@ -45,8 +41,6 @@ class StepReport:
     emitted: int
     row_steps: list[RowStep]
     tokens: int = 0
-    chunk: int = 0
-    readers: int = 0
 
 
 class AcceptanceBook:
@@ -130,56 +124,49 @@ class BudgetPolicy(DraftPolicy):
 
 
 class LatencyCap(DraftPolicy):
-    """A server's bound on every step: no step may take more than ``ratio`` times a usual one (the median of the
-    last USUAL steps that read no prompt chunk), so that no stream waits much longer than its usual gap for its
-    next tokens. What a step would cost is predicted from ``cost`` (seconds by tokens: the measured one-row
-    curve) for a lone row's step, and otherwise from a line fitted to the packed steps' own times
-    (:class:`hydraspec.packed_cost.PackedCost`): it follows the machine both ways, where a rule that shrinks a
-    row count's room after a slow step and grows it back one token at a time stays low for row counts seen
-    rarely. The room beside one token a row is the most tokens whose step is predicted within the bound (at
-    least one, so a joining prompt always advances); a joining prompt's chunk takes it first and the rows'
-    drafts share what is left, on top of ``inner``'s rule. Cutting drafts and chunks changes when tokens come,
-    never which."""
-
-    USUAL = 64
+    """A server's bound on every step: it may take at most ``ratio`` times a plain step of the rows that
+    decode, so that no stream waits longer than that for its next tokens. The room beside one token a row
+    starts from the measured verify cost ``cost`` (seconds by tokens: c(T) <= ratio * c(rows)) and then
+    follows the steps' own times, as a step with prompt chunks and several rows can cost more than the
+    one-row curve says: a step over the bound shrinks its row count's room by a quarter, one well within it
+    grows the room by a token (plain steps, one token a row, set what a plain step takes). A joining prompt's
+    chunk takes the room first (at least one token, so it always advances); the rows' drafts share what is
+    left, on top of ``inner``'s rule. Cutting drafts and chunks changes when tokens come, never which."""
 
     def __init__(self, inner: DraftPolicy, cost: Callable[[float], float], ratio: float):
         self.inner, self.cost, self.ratio = inner, cost, ratio
-        self.packed = PackedCost(cost)
-        self.usual: deque = deque(maxlen=self.USUAL)  # seconds of recent steps without a prompt chunk
+        self.rooms: dict[int, int] = {}
+        self.plain: dict[int, float] = {}  # rows -> recent seconds of a plain step
 
-    def predict(self, rows: int, tokens: int, chunk: bool) -> float:
-        """Seconds of a step of ``rows`` decoding rows over ``tokens`` new tokens, with a joining row's chunk
-        among them or not."""
-        if rows <= 1 and not chunk:
-            return self.cost(tokens)
-        return self.packed.cost(rows + chunk)(tokens)
+    def room(self, rows: int) -> int:
+        """Tokens a step of ``rows`` decoding rows may hold beyond one per row."""
+        if rows not in self.rooms:
+            n, bound = max(rows, 1), self.ratio * self.cost(max(rows, 1))
+            while n < rows + 4096 and self.cost(n + 1) <= bound:
+                n += 1
+            self.rooms[rows] = n - rows
+        return self.rooms[rows]
 
-    def bound(self, rows: int) -> float:
-        usual = median(self.usual) if self.usual else self.predict(rows, rows, False)
-        return self.ratio * usual
-
-    def room(self, rows: int, chunk: bool = True) -> int:
-        """Tokens a step of ``rows`` decoding rows may hold beyond one a row (at least 1)."""
-        rows, n = max(rows, 1), 0
-        bound = self.bound(rows) * (1 + 1e-9)  # (a fitted line's rounding)
-        while n < 4096 and self.predict(rows, rows + n + 1, chunk) <= bound:
-            n += 1
-        return max(1, n)
-
-    def learn(self, report: StepReport) -> None:
-        if report.rows < 1:
+    def learn(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step of ``rows`` decoding rows that read ``tokens`` new tokens took ``seconds``."""
+        if rows < 1 or tokens < rows:
             return
-        if not report.chunk:
-            self.usual.append(report.seconds)
-        if report.rows > 1 or report.chunk:
-            self.packed.learn(report.rows + report.readers, report.tokens, report.seconds)
+        if tokens == rows:
+            old = self.plain.get(rows)
+            self.plain[rows] = seconds if old is None else 0.9 * old + 0.1 * seconds
+            return
+        bound = self.ratio * self.plain.get(rows, self.cost(rows))
+        room = self.room(rows)
+        if seconds > bound:
+            self.rooms[rows] = max(1, int(room * 0.75))
+        elif seconds < 0.8 * bound and tokens - rows >= room:
+            self.rooms[rows] = room + 1
 
     def prefill(self, rows: int, chunk: int) -> int:
-        return min(self.inner.prefill(rows, chunk), self.room(rows))
+        return min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))
 
     def limit(self, rows: int, extra: int = 0) -> int | None:
-        cap = max(0, self.room(rows, chunk=extra > 0) - extra) // max(rows, 1)
+        cap = max(0, self.room(rows) - extra) // max(rows, 1)
         inner = self.inner.limit(rows, extra)
         return cap if inner is None else min(inner, cap)
 
@@ -187,5 +174,5 @@ class LatencyCap(DraftPolicy):
         return self.inner.cut(trees, states, extra)
 
     def update(self, report: StepReport) -> None:
-        self.learn(report)
+        self.learn(report.rows, report.tokens, report.seconds)
         self.inner.update(report)
