@@ -19,6 +19,7 @@ from .drafters.base import Drafter, NoDrafter
 from .prefix_pool import PrefixPool
 from .engine import Engine, Request
 from .errors import HydraspecError
+from .frame_room import call_with_room
 from .inputs import check_length, check_sampling, eos_ids, prompt_ids
 from .memory import cache_bytes, check_memory, gib
 from .policy import DraftPolicy
@@ -196,7 +197,12 @@ class BatchGenerator:
 
 
 def run(engine: Engine, n: int, on_result=None) -> list[GenerationResult]:
-    """Step ``engine`` until its requests (tagged 0 .. n - 1) are done; their results by tag."""
+    """Step ``engine`` until its requests (tagged 0 .. n - 1) are done; their results by tag. The loop runs with
+    room on the frame stack (hydraspec.frame_room)."""
+    return call_with_room(_steps, engine, n, on_result)
+
+
+def _steps(engine: Engine, n: int, on_result) -> list[GenerationResult]:
     results: list[GenerationResult | None] = [None] * n
     while engine.busy:
         for req in engine.step():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import Engine, Request, cancelled_result
+from ..frame_room import call_with_room
 
 log = logging.getLogger("hydraspec.serve")
 
@@ -55,7 +56,8 @@ class EngineWorker:
         self.stopping = False
         self.step_tokens = 0
         self.on_step: Callable[[float], None] | None = None  # called with each verify step's seconds
-        self.thread = threading.Thread(target=self._loop, name="hydraspec-engine", daemon=True)
+        self.thread = threading.Thread(target=call_with_room, args=(self._loop,), name="hydraspec-engine",
+                                       daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -63,7 +65,7 @@ class EngineWorker:
     def run(self) -> None:
         """The engine loop in this thread, until stop(); on Ctrl-C every request still open is cancelled."""
         try:
-            self._loop()
+            call_with_room(self._loop)
         except BaseException:
             with self.lock:
                 self.stopping = True
