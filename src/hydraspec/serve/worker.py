@@ -40,8 +40,7 @@ class Counters:
 
 class EngineWorker:
     """Runs ``engine``: ``start()`` in a daemon thread, or ``run()`` in the calling thread (the CLI runs it in
-    the main thread, where torch's OpenMP threads decode faster than under a second Python thread; docs/cpu-kernels.md,
-    "Measurements behind the code").
+    the main thread); either way the loop runs with room on the frame stack (hydraspec.frame_room).
     ``submit(request, on_event)``: on_event(kind, payload) is called from the engine's thread with
     ("tokens", ids) after each step and ("done", result) once."""
 
