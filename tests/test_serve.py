@@ -387,6 +387,19 @@ def test_adaptive_rule_keeps_a_long_match_whose_drafts_are_accepted_whole():
     assert rule.widths(1, [8], [rule.book.row_rates(1)[0]]) == [2]  # one rate for every depth: the same cut
 
 
+def test_adaptive_rule_counts_a_step_whose_proposals_were_all_cut_as_drafting():
+    """A step that asked the drafter paid for its proposals even when the cut kept none of them: it is measured
+    as drafting, not as the plain decoding it is compared with (else the plain side looks slower than it is)."""
+    from hydraspec.adaptive import MIN_STEPS, AdaptiveDraft
+    from hydraspec.policy import StepReport
+
+    rule = AdaptiveDraft({1: 1.0, 32: 1.0}, 4)
+    for _ in range(MIN_STEPS):
+        rule.update(StepReport(rows=8, drafted=0, seconds=0.060, emitted=8, row_steps=[], asked=True))
+        rule.update(StepReport(rows=8, drafted=0, seconds=0.040, emitted=8, row_steps=[]))
+    assert rule.drafting_loses(8)  # 133 tokens/s asking the drafter, 200 without
+
+
 def test_adaptive_rule_stops_drafting_where_the_clock_says_it_loses():
     """The cost model says draft; the measured steps say drafting is slower at 4 rows and faster at 1: after a
     few probes the rule decodes plainly at 4 rows (still probing now and then) and keeps drafting at 1."""

@@ -19,7 +19,7 @@ prior of 0.5 worth 20 draws (hydraspec.policy).
 
 The model is then checked against the clock: the engine reports every step's wall time and emitted tokens
 (:meth:`AdaptiveDraft.observe`), and per number of rows the rule keeps the tokens per second of the steps that
-drafted and of those that did not (averaged over the last ~EWMA_STEPS of each). Where the model says "draft",
+asked the drafter (however much of its proposals was kept) and of those that did not (averaged over the last ~EWMA_STEPS of each). Where the model says "draft",
 one step in PROBE_EVERY decodes plainly instead (one in 4 x PROBE_EVERY once MIN_STEPS are in); once both
 sides have MIN_STEPS steps and the drafting steps are measured slower, that row count decodes plainly, still
 trying the model's draft length one step in PROBE_EVERY in case acceptance has changed; so does every larger
@@ -142,7 +142,8 @@ class AdaptiveDraft(DraftPolicy):
 
     def update(self, report: StepReport) -> None:
         self.book.update(report.row_steps)
-        self.observe(report.rows, report.drafted, report.seconds, report.emitted)
+        # a step that asked the drafter is a drafting step, even where every proposal was cut: it paid for them
+        self.observe(report.rows, max(report.drafted, int(report.asked)), report.seconds, report.emitted)
 
     def observe(self, rows: int, k: int, seconds: float, tokens: int) -> None:
         """One engine step at ``rows`` rows that drafted up to ``k`` tokens a row took ``seconds`` and emitted

@@ -33,7 +33,8 @@ class RowStep:
 @dataclass
 class StepReport:
     """One engine step: ``rows`` running rows that drafted up to ``drafted`` nodes each took ``seconds`` and
-    emitted ``emitted`` tokens; ``tokens``: the new tokens its forward read (trees and prompt chunks)."""
+    emitted ``emitted`` tokens; ``tokens``: the new tokens its forward read (trees and prompt chunks);
+    ``asked``: whether the drafter was asked (it paid for proposals even where all were cut)."""
 
     rows: int
     drafted: int
@@ -41,6 +42,7 @@ class StepReport:
     emitted: int
     row_steps: list[RowStep]
     tokens: int = 0
+    asked: bool = False
 
 
 class AcceptanceBook:
