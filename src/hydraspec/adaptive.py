@@ -19,11 +19,11 @@ prior of 0.5 worth 20 draws (hydraspec.policy).
 
 The model is then checked against the clock: the engine reports every step's wall time and emitted tokens
 (:meth:`AdaptiveDraft.observe`), and per number of rows the rule keeps the tokens per second of the steps that
-asked the drafter (however much of its proposals was kept) and of those that did not (averaged over the last ~EWMA_STEPS of each). Where the model says "draft",
-one step in PROBE_EVERY decodes plainly instead (one in 4 x PROBE_EVERY once MIN_STEPS are in); once both
-sides have MIN_STEPS steps and the drafting steps are measured slower, that row count decodes plainly, still
-trying the model's draft length one step in PROBE_EVERY in case acceptance has changed; so does every larger
-row count not yet measured itself. So the rule is never slower than plain decoding for long, whatever the
+asked the drafter (however much of its proposals was kept) and of those that did not (averaged over the last
+~EWMA_STEPS of each). Where the model says "draft", one step in PROBE_EVERY decodes plainly instead (one in
+4 x PROBE_EVERY once MIN_STEPS are in); once both sides have MIN_STEPS steps and the drafting steps are
+measured slower, that row count decodes plainly, still trying the model's draft length one step in
+PROBE_EVERY in case acceptance has changed; so does every larger row count not yet measured itself. So the rule is never slower than plain decoding for long, whatever the
 model leaves out (drafting work, Python overhead, padding, a server's own costs).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ CPython 3.11+ keeps the frames of a thread on a stack of chunks (16 KiB at first
 fit the current chunk and freed when that call returns. A loop whose every step descends past a chunk's end thus
 maps and unmaps a chunk on each such call: hundreds of ``mmap``/``munmap`` pairs a decoding step, each unmap a
 TLB shoot-down that stops the other core's compute thread. Whether it happens depends only on how deep the loop
-sits (a server started through ``main`` was 15-20 % slower per step than the same code called from a script;
+sits (the server's loop started through ``main`` was caught, the same loop called from a script was not;
 BENCHMARKS.md, "The frame-stack trap"). :func:`call_with_room` calls the loop from a frame so large that CPython
 gives it a chunk of its own with ``ROOM_BYTES`` to spare above it, where every step's frames fit.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import types
 
-ROOM_BYTES = 64 * 1024  # room above the big frame; a decoding step's deepest call path needs under 16 KiB
+ROOM_BYTES = 64 * 1024  # room above the big frame; a decoding step's frames fit in one 16 KiB chunk
 _WORD = 8
 _OVERHEAD_WORDS = 1000  # CPython sizes a new chunk for the frame plus this many words
 
