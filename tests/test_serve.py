@@ -395,8 +395,8 @@ def test_adaptive_rule_counts_a_step_whose_proposals_were_all_cut_as_drafting():
 
     rule = AdaptiveDraft({1: 1.0, 32: 1.0}, 4)
     for _ in range(MIN_STEPS):
-        rule.update(StepReport(rows=8, drafted=0, seconds=0.060, emitted=8, row_steps=[], asked=True))
-        rule.update(StepReport(rows=8, drafted=0, seconds=0.040, emitted=8, row_steps=[]))
+        rule.update(StepReport(rows=8, drafted=True, seconds=0.060, emitted=8, row_steps=[]))
+        rule.update(StepReport(rows=8, drafted=False, seconds=0.040, emitted=8, row_steps=[]))
     assert rule.drafting_loses(8)  # 133 tokens/s asking the drafter, 200 without
 
 

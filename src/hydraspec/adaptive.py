@@ -23,8 +23,9 @@ asked the drafter (however much of its proposals was kept) and of those that did
 ~EWMA_STEPS of each). Where the model says "draft", one step in PROBE_EVERY decodes plainly instead (one in
 4 x PROBE_EVERY once MIN_STEPS are in); once both sides have MIN_STEPS steps and the drafting steps are
 measured slower, that row count decodes plainly, still trying the model's draft length one step in
-PROBE_EVERY in case acceptance has changed; so does every larger row count not yet measured itself. So the rule is never slower than plain decoding for long, whatever the
-model leaves out (drafting work, Python overhead, padding, a server's own costs).
+PROBE_EVERY in case acceptance has changed; so does every larger row count not yet measured itself. So the
+rule is never slower than plain decoding for long, whatever the model leaves out (drafting work, Python
+overhead, padding, a server's own costs).
 """
 from __future__ import annotations
 
@@ -142,8 +143,7 @@ class AdaptiveDraft(DraftPolicy):
 
     def update(self, report: StepReport) -> None:
         self.book.update(report.row_steps)
-        # a step that asked the drafter is a drafting step, even where every proposal was cut: it paid for them
-        self.observe(report.rows, max(report.drafted, int(report.asked)), report.seconds, report.emitted)
+        self.observe(report.rows, int(report.drafted), report.seconds, report.emitted)
 
     def observe(self, rows: int, k: int, seconds: float, tokens: int) -> None:
         """One engine step at ``rows`` rows that drafted up to ``k`` tokens a row took ``seconds`` and emitted

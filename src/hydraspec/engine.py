@@ -401,8 +401,8 @@ class Engine:
                  for r, s, acc in zip(rec.rows, rec.shapes, rec.accepted)]
         read = sum(len(n) for n in rec.nodes) + sum(len(c) for c in rec.chunks.values())
         self.drafter.step_took(len(self.active), read, self.last_verify_s)
-        self.policy.update(StepReport(len(rec.rows), max(len(t) for t in rec.trees), time.perf_counter() - rec.started,
-                                      sum(len(e) for e in rec.emitted), steps, read, rec.drafted))
+        self.policy.update(StepReport(len(rec.rows), rec.drafted, time.perf_counter() - rec.started,
+                                      sum(len(e) for e in rec.emitted), steps, read))
         charge(rec.rows, "draft_s", time.perf_counter() - t0)
 
     # -- leaving --------------------------------------------------------------------------------------

@@ -13,21 +13,16 @@ from __future__ import annotations
 import types
 
 ROOM_BYTES = 64 * 1024  # room above the big frame; a decoding step's frames fit in one 16 KiB chunk
-_WORD = 8
-_OVERHEAD_WORDS = 1000  # CPython sizes a new chunk for the frame plus this many words
-
-
-def _frame_words() -> int:
-    """Stack slots of the big frame: CPython doubles a new chunk from 16 KiB until it holds the frame plus 1,000
-    words, so a frame a little under ROOM_BYTES gets a chunk of 2 x ROOM_BYTES and leaves over ROOM_BYTES free."""
-    return ROOM_BYTES // _WORD - _OVERHEAD_WORDS + 64
+# stack slots of the big frame: CPython doubles a new chunk from 16 KiB until it holds the frame plus 1,000
+# words, so a frame a little under ROOM_BYTES gets a chunk of 2 x ROOM_BYTES with over ROOM_BYTES free
+FRAME_WORDS = ROOM_BYTES // 8 - 1000 + 64
 
 
 def _call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-_roomy = types.FunctionType(_call.__code__.replace(co_stacksize=_frame_words()), globals(), "call_with_room")
+_roomy = types.FunctionType(_call.__code__.replace(co_stacksize=FRAME_WORDS), globals(), "call_with_room")
 
 
 def call_with_room(fn, *args, **kwargs):

@@ -32,17 +32,16 @@ class RowStep:
 
 @dataclass
 class StepReport:
-    """One engine step: ``rows`` running rows that drafted up to ``drafted`` nodes each took ``seconds`` and
-    emitted ``emitted`` tokens; ``tokens``: the new tokens its forward read (trees and prompt chunks);
-    ``asked``: whether the drafter was asked (it paid for proposals even where all were cut)."""
+    """One engine step: ``rows`` running rows took ``seconds`` and emitted ``emitted`` tokens; ``drafted``:
+    whether the drafter was asked (it paid for its proposals, however many the cut kept); ``tokens``: the new
+    tokens its forward read (trees and prompt chunks)."""
 
     rows: int
-    drafted: int
+    drafted: bool
     seconds: float
     emitted: int
     row_steps: list[RowStep]
     tokens: int = 0
-    asked: bool = False
 
 
 class AcceptanceBook:
