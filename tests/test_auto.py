@@ -8,6 +8,7 @@ from hydraspec.drafters import make_auto, make_drafter
 from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load
 from hydraspec.drafters.base import DecodeState, Verdict
 from hydraspec.drafters.prediction import PredictionDrafter
+from hydraspec.drafters.prompt_lookup import NgramIndex, lookup
 from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, speculate
 from hydraspec.engine import Engine, Request
 from hydraspec.sampling import Sampling
@@ -58,6 +59,29 @@ def test_suffix_trie_extends_a_sequence_as_adding_it_whole():
         return {path: trie.count[node]} | {k: v for t, kid in trie.kids[node].items()
                                            for k, v in dump(trie, kid, path + (t,)).items()}
     assert dump(grown) == dump(whole)
+
+
+@pytest.mark.parametrize("depth,vocab", [(2, 2), (3, 4), (24, 3), (8, 30)])
+def test_suffix_match_from_the_open_suffixes_equals_the_walk_from_the_root(depth, vocab):
+    g = torch.Generator().manual_seed(depth * 100 + vocab)
+    trie, active, seq = SuffixTrie(depth), [], []
+    for t in torch.randint(0, vocab, (200,), generator=g).tolist():
+        seq.append(t)
+        active = trie.extend(active, t)
+        assert trie.match_open(active) == trie.match(seq)
+
+
+@pytest.mark.parametrize("min_n,max_n,vocab", [(1, 1, 3), (2, 3, 4), (2, 4, 20), (1, 3, 2)])
+def test_prompt_lookup_index_proposes_what_the_full_search_proposes(min_n, max_n, vocab):
+    g = torch.Generator().manual_seed(min_n * 10 + max_n + vocab)
+    index, seq, hits = NgramIndex(min_n, max_n), [], 0
+    for step in range(80):
+        seq += torch.randint(0, vocab, (1 + step % 4,), generator=g).tolist()
+        want = lookup(seq, 5, max_n, min_n).tolist()
+        assert index.lookup(seq, 5) == want
+        hits += bool(want)
+    assert hits > 10  # the sequences repeat enough for the lookups to find something
+    assert index.lookup(seq[:3], 5) == lookup(seq[:3], 5, max_n, min_n).tolist()  # a shorter sequence: rebuilt
 
 
 def test_suffix_tries_add_nothing_for_the_garbage_collector_to_walk():

@@ -16,16 +16,17 @@ from .suffix import SuffixDrafter
 
 
 def make_auto(target, costly: dict[str, Drafter] | None = None, pld_tokens: int = 10, pld_ngram: int = 3,
-              pld_min_ngram: int = 2) -> Drafter:
+              pld_min_ngram: int = 2, cost: dict[int, float] | None = None) -> Drafter:
     """The ``auto`` method: prompt lookup, suffix decoding and predicted outputs always, plus ``costly``
     drafters (a draft model, heads), chosen per sequence and step by measured payoff (drafters.auto).
     ``target``: the model whose verify cost is measured now (once per process and machine: a server pays for it
-    at start-up, not under its first request), after its steps are compiled."""
+    at start-up, not under its first request), after its steps are compiled; ``cost``: those points
+    ({tokens: seconds}) where already known (then ``target`` is not used)."""
     subs: dict[str, Drafter] = {
         "pld": PromptLookupDrafter(num_tokens=pld_tokens, max_ngram=pld_ngram, min_ngram=pld_min_ngram, dynamic=False),
         "suffix": SuffixDrafter(), "prediction": PredictionDrafter()}
     subs.update(costly or {})
-    return AutoDrafter(subs, measure_verify_cost(target, sizes=SIZES))
+    return AutoDrafter(subs, cost if cost is not None else measure_verify_cost(target, sizes=SIZES))
 
 
 METHODS = ("ar", "auto", "draft", "pld", "suffix", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa",

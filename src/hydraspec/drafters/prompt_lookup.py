@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,6 +14,7 @@ class LookupRow:
     proposed: int = 0  # tokens of the last proposal
     misses: int = 0  # proposals in a row that were all rejected
     rest: int = 0  # steps left without looking
+    grams: "NgramIndex | None" = None  # the sequence's n-grams, kept up to date as it grows
 
 
 class PromptLookupDrafter(Drafter):
@@ -59,9 +60,37 @@ class PromptLookupDrafter(Drafter):
             row.rest -= 1
             row.proposed = 0
             return DraftTree.empty()
-        cand = lookup(tokens, row.k, self.max_ngram, self.min_ngram)
-        row.proposed = cand.numel()
-        return DraftTree(cand, chain(cand.numel()))
+        if row.grams is None:
+            row.grams = NgramIndex(self.min_ngram, self.max_ngram)
+        found = row.grams.lookup(tokens, row.k)
+        row.proposed = len(found)
+        return DraftTree(torch.tensor(found, dtype=torch.long), chain(len(found)))
+
+
+@dataclass
+class NgramIndex:
+    """Where each n-gram (min_n <= n <= max_n) of a growing sequence last started, among those with a token
+    after them; a step adds only the new n-grams, so a lookup costs the same at any length.
+    :meth:`lookup` proposes what :func:`lookup` proposes."""
+
+    min_n: int
+    max_n: int
+    starts: dict[tuple[int, ...], int] = field(default_factory=dict)
+    ends: int = 0  # n-grams ending before this position are in ``starts``
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram."""
+        if len(tokens) <= self.ends:  # not the sequence it has seen grow: start over
+            self.starts, self.ends = {}, 0
+        for end in range(self.ends + 1, len(tokens)):  # n-grams with at least one token after them
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.starts[tuple(tokens[end - n:end])] = end - n
+        self.ends = max(self.ends, len(tokens) - 1)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = self.starts.get(tuple(tokens[len(tokens) - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
+        return []
 
 
 def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> torch.Tensor:

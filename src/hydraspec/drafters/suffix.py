@@ -107,6 +107,15 @@ class SuffixTrie:
         return None, 0
 
 
+    def match_open(self, active: list[int]) -> tuple[int | None, int]:
+        """:meth:`match` for the sequence this trie holds whole, from its open suffixes (as :meth:`extend`
+        returns them, longest first): the first that has a continuation, without walking from the root."""
+        for i, node in enumerate(active):
+            if self.kids[node]:
+                return node, len(active) - i
+        return None, 0
+
+
 @dataclass
 class Speculation:
     tokens: list[int] = field(default_factory=list)
@@ -224,7 +233,7 @@ class SuffixDrafter(Drafter):
         floor = self.min_prob if min_prob is None else min_prob
         best = Speculation()
         for trie in (row.trie, self.shared.trie):
-            node, m = trie.match(state.tokens)
+            node, m = trie.match_open(row.active) if trie is row.trie else trie.match(state.tokens)
             if node is None:
                 continue
             budget = min(self.max_tokens, max(1, int(self.alpha * m)))
