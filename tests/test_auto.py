@@ -12,6 +12,7 @@ from hydraspec.drafters.prompt_lookup import NgramIndex, lookup
 from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, speculate
 from hydraspec.engine import Engine, Request
 from hydraspec.sampling import Sampling
+from hydraspec.tally import Tally
 from hydraspec.tree import DraftTree, chain
 
 N = 24
@@ -239,9 +240,9 @@ def test_auto_keeps_deep_drafts_where_acceptance_holds_with_depth(all_or_nothing
     assert rates[0] == pytest.approx(0.5, abs=0.02)
     deep = reach(rates, 8)[-1]
     assert deep == pytest.approx(0.5 if all_or_nothing else 0.5 ** 8, abs=0.03)
-    auto = AutoDrafter({}, {n: 1.0 + 0.1 * (n - 1) for n in (1, 2, 4, 8, 16)})
+    auto = AutoDrafter({"pld": make_drafter("pld")}, {n: 1.0 + 0.1 * (n - 1) for n in (1, 2, 4, 8, 16)})
     offer = DraftTree(torch.arange(8), chain(8))
-    assert auto._best_cut(offer, rates, Load(1, 1), 0.0).keep == keeps
+    assert auto._best_cut(offer, AutoRow(tallies={"pld": tally}), "pld", Load(1, 1)).keep == keeps
 
 
 @pytest.mark.parametrize("beside, most", [(0, 4), (4, 0)])
@@ -307,3 +308,25 @@ def test_packed_cost_starts_from_the_curve_and_follows_the_steps():
     for rows, tokens in ((2, 3), (8, 20), (5, 12)):
         assert packed.cost(rows)(tokens) == pytest.approx(0.5 + 0.1 * tokens + 0.05 * (rows - 1), rel=0.05)
     assert packed.cost(2)(0.5) >= curve(0.5)
+
+
+def test_auto_scales_a_drafters_chances_to_what_its_chosen_drafts_realised():
+    """Drafts predicted at 0.9 and accepted half the time (the winner's curse of choosing the highest
+    estimates): the drafter's chances at that depth fall towards half, and only there."""
+    from hydraspec.tally import Calibration
+
+    cal = Calibration()
+    for i in range(300):
+        cal.add([1, 2], [0.9, 0.5], [i % 2 == 0, i % 4 == 0], decay=0.98)
+    f = cal.factors(2.0)
+    assert f[0] == pytest.approx(0.5 / 0.9, abs=0.03) and f[1] == pytest.approx(0.25 / 0.5, abs=0.03)
+    assert f[2] == 1.0  # no evidence deeper: as predicted
+
+    auto = AutoDrafter({"pld": make_drafter("pld")}, {n: 1.0 for n in (1, 16)})
+    row = AutoRow(tallies={"pld": Tally()})
+    before = auto.chances(row, "pld", 2)
+    for _ in range(200):  # a one-node proposal of pld verified and rejected each time
+        row.chosen, row.depths = "pld", [1]
+        auto._calibrate(row, "pld", Verdict([], 1))
+    after = auto.chances(row, "pld", 2)
+    assert after[0] < 0.1 * before[0] and after[1] == pytest.approx(before[1])

@@ -299,7 +299,7 @@ class Engine:
         extra = sum(len(c) for c in rec.chunks.values())
         limit = self.policy.limit(len(rec.rows), extra)
         rec.drafted = limit != 0
-        self.drafter.beside = extra
+        self.drafter.beside, self.drafter.limit = extra, limit
         trees = self.drafter.propose(rec.states) if rec.drafted else [DraftTree.empty() for _ in rec.rows]
         trees = [self._fit(t, r, limit) for t, r in zip(trees, rec.rows)]
         rec.trees = self.policy.cut(trees, rec.states, extra) if rec.drafted else trees

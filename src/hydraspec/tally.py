@@ -44,6 +44,30 @@ class Tally:
         return out
 
 
+@dataclass
+class Calibration:
+    """Realised over predicted acceptance by depth, over the drafts a rule chose to verify: the chances it
+    predicted for them (discounted sums) and how many were accepted. Choosing the drafts whose estimates are
+    highest picks the ones most overestimated (the winner's curse); :meth:`factors` scales the estimates
+    back to what such choices realised."""
+
+    predicted: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
+    realised: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
+
+    def add(self, depths: list[int], chances: list[float], hits: list[bool], decay: float) -> None:
+        """One verified proposal: each node's depth (1-based), predicted chance, and whether it was accepted."""
+        self.predicted = [x * decay for x in self.predicted]
+        self.realised = [x * decay for x in self.realised]
+        for d, p, hit in zip(depths, chances, hits):
+            k = min(d, DEPTHS) - 1
+            self.predicted[k] += p
+            self.realised[k] += hit
+
+    def factors(self, weight: float) -> list[float]:
+        """Per depth, realised over predicted, each as if ``weight`` more were predicted and realised."""
+        return [(r + weight) / (p + weight) for r, p in zip(self.realised, self.predicted)]
+
+
 def reach(rates: list[float], nodes: int) -> list[float]:
     """The chance that a draft at each depth 1..nodes is accepted: the product of the rates down to it."""
     out, p = [], 1.0

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..packed_cost import PackedCost
-from ..tally import Tally, reach, shadow_accepted
+from ..tally import Calibration, Tally, reach, shadow_accepted
 from ..tree import DraftTree, shape_of
 from ..verify_cost import Curve
 from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of
@@ -45,6 +45,8 @@ EXPLORE = 16  # steps after which a drafter not tried on a sequence is tried onc
 MARGIN = 1.02  # a drafter must be expected to beat plain decoding by this
 RUN = 8  # steps a costly drafter is expected to stay chosen: its catch-up read is spread over them
 READ_GUESS = 0.03  # seconds to read one token, as a fraction of one target step, until measured
+CALIBRATION_DECAY = 0.98  # weight of older verified proposals in a drafter's calibration, per new one
+CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised at every depth
 
 
 @dataclass
@@ -102,6 +104,8 @@ class AutoDrafter(Drafter):
         self.packed = PackedCost(self.cost)  # steps of several rows, learnt from their own times
         self.step = self.cost  # this step's curve: the one-row one, or the packed one for its rows
         self.totals = {n: Tally() for n in drafters}  # every sequence's counts, undiscounted
+        self.calibration = {n: Calibration() for n in drafters}  # realised over predicted, chosen drafts
+        self.trust = {n: Calibration().factors(CALIBRATION_WEIGHT) for n in drafters}
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
@@ -127,7 +131,7 @@ class AutoDrafter(Drafter):
         for n, picked in wants.items():
             if picked:
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
-                    out[b] = tree.head(self._best_cut(tree, self.rates(rows[b], n), before[b], self.seconds[n]).keep)
+                    out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
         for row, tree in zip(rows, out):
             row.depths = shape_of(tree.with_root()).depth.tolist()[1:]
             for n in self.costly:
@@ -182,14 +186,14 @@ class AutoDrafter(Drafter):
         c = self.step
         best = Choice(None, DraftTree.empty(), load.expect / (c(load.tokens) + load.seconds) * MARGIN, load)
         for n, offer in offers.items():
-            cut = self._best_cut(offer, self.rates(row, n), load, self.seconds[n])
+            cut = self._best_cut(offer, row, n, load)
             if cut.rate > best.rate:
                 best = Choice(n, offer.head(cut.keep), cut.rate, load.add(cut.keep, cut.gained, self.seconds[n]))
         for n in self.costly:
-            rates, size = self.rates(row, n), max(1, round(self.sizes[n]))
+            rates, size = self.rates(row, n), max(1, min(round(self.sizes[n]), self.limit or self.max_nodes))
             catch_up = self._gap(row, s, n) * (self.read[n] or READ_GUESS * c(1))
             step = c(load.tokens + size) + load.seconds + self.seconds[n]
-            gained = gain(rates, size)
+            gained = sum(self.chances(row, n, size))
             value = (load.expect + gained) / (step + catch_up / RUN)
             if row.tried.get(n, EXPLORE) >= EXPLORE:
                 hope = (load.expect + gain([min(0.95, r + 0.2) for r in rates], size)) / step
@@ -201,20 +205,25 @@ class AutoDrafter(Drafter):
                 best = Choice(n, DraftTree.empty(), value, load.add(size, gained, self.seconds[n]))
         return best
 
-    def _best_cut(self, offer: DraftTree, rates: list[float], load: Load, seconds: float) -> Cut:
-        """How many of the offer's first nodes to verify on ``load``: the batch's expected tokens per second
-        with them, and the tokens they are expected to add."""
+    def _best_cut(self, offer: DraftTree, row: AutoRow, name: str, load: Load) -> Cut:
+        """How many of drafter ``name``'s offer's first nodes to verify on ``load``: the batch's expected
+        tokens per second with them, and the tokens they are expected to add."""
         if not len(offer):
             return Cut(0, 0.0, 0.0)
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
-        p = reach(rates, max(depth))
+        p, seconds = self.chances(row, name, max(depth)), self.seconds[name]
         c, best, value = self.step, Cut(0, 0.0, 0.0), load.expect
-        for i, d in enumerate(depth):
+        for i, d in enumerate(depth[:self.limit]):
             value += p[d - 1]
             v = value / (c(load.tokens + i + 1) + load.seconds + seconds)
             if v > best.rate:
                 best = Cut(i + 1, v, value - load.expect)
         return best
+
+    def chances(self, row: AutoRow, name: str, depth: int) -> list[float]:
+        """The chance that ``name``'s draft at each depth 1..depth is accepted on this sequence: its rates'
+        product down to it, scaled by what the drafter's chosen drafts realised against such predictions."""
+        return [min(0.99, p * f) for p, f in zip(reach(self.rates(row, name), depth), self.trust[name])]
 
     def rates(self, row: AutoRow, name: str) -> list[float]:
         prior = self.totals[name].own_rates()
@@ -231,6 +240,7 @@ class AutoDrafter(Drafter):
             by.setdefault(row.chosen, ([], []))[0].append(s)
             by[row.chosen][1].append(v)
             if v.verified:
+                self._calibrate(row, row.chosen, v)
                 self._count(row, row.chosen, len(v.accepted), max(row.depths[:v.verified], default=0))
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
@@ -243,6 +253,15 @@ class AutoDrafter(Drafter):
         """Each drafter's memory of earlier answers goes; what was learnt of their acceptance and cost stays."""
         for d in self.drafters.values():
             d.forget()
+
+    def _calibrate(self, row: AutoRow, name: str, v: Verdict) -> None:
+        """Compare the chances predicted (before calibration) for the verified nodes with what was accepted."""
+        depths = row.depths[:v.verified]
+        p = reach(self.rates(row, name), max(depths))
+        hits = set(v.accepted)
+        self.calibration[name].add(depths, [p[d - 1] for d in depths], [i in hits for i in range(len(depths))],
+                                   CALIBRATION_DECAY)
+        self.trust[name] = self.calibration[name].factors(CALIBRATION_WEIGHT)
 
     def _count(self, row: AutoRow, name: str, accepted: int, depth: int) -> None:
         row.tallies.setdefault(name, Tally()).add(accepted, depth, decay=DECAY)
