@@ -12,7 +12,11 @@ or none (plain decoding). What decides, all measured on this machine and this se
   once the one above it was, from discounted counts (DECAY per observation) of the drafts that reached
   depth d and of those accepted there, with every sequence's counts as the prior (each depth's prior leans
   on the depth above). A node at depth d is worth r_1 ... r_d: a long match (a repeated answer) keeps its
-  deep drafts where one rate for all depths would cut them.
+  deep drafts where one rate for all depths would cut them;
+- each drafter's calibration by depth: the tokens its chosen drafts realised over what was predicted for
+  them (discounted sums, hydraspec.tally.Calibration), which scales its chances: the rows choosing the
+  highest estimates choose the overestimated ones (the winner's curse);
+- the step's node limit a row may keep (``Drafter.limit``, from the engine's step bound).
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is
 not verified it is still scored against the tokens decoded next (greedy: exactly what verification would
