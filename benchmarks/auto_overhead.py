@@ -20,6 +20,7 @@ from hydraspec.drafters import make_auto
 from hydraspec.drafters.auto import AutoDrafter
 from hydraspec.drafters.base import DecodeState, Verdict
 from hydraspec.sampling import Sampling
+from hydraspec.verify_cost import Curve
 
 COST = {1: 0.040, 2: 0.040, 4: 0.043, 6: 0.052, 8: 0.070, 12: 0.094, 16: 0.125, 24: 0.185, 32: 0.25}
 
@@ -40,7 +41,7 @@ def texts(n: int, words: int) -> list[list[int]]:
 def accepted(tree, truth: list[int]) -> list[int]:
     """Node indices of the tree's path that equals ``truth``'s first tokens (greedy verification)."""
     path, parent = [], -1
-    for depth, want in enumerate(truth):
+    for want in truth:
         nxt = [i for i, p in enumerate(tree.parents) if p == parent and int(tree.tokens[i]) == want]
         if not nxt:
             break
@@ -51,6 +52,7 @@ def accepted(tree, truth: list[int]) -> list[int]:
 
 def run(rows: int, steps: int, prompt: int, seqs: list[list[int]]) -> float:
     auto: AutoDrafter = make_auto(None, cost=COST)
+    cost = Curve(COST)
     states = [DecodeState(list(s[:prompt]), prompt, Sampling(0.0, 0, 1.0), capacity=len(s) + 64) for s in seqs[:rows]]
     took = []
     for _ in range(steps):
@@ -66,7 +68,7 @@ def run(rows: int, steps: int, prompt: int, seqs: list[list[int]]) -> float:
             t0 += time.perf_counter() - t1  # the text's bookkeeping is not the drafter's
         auto.observe(states, verdicts)
         nodes = rows + sum(len(t) for t in trees)
-        auto.step_took(rows, nodes, COST[max(k for k in COST if k <= min(nodes, 32))])
+        auto.step_took(rows, nodes, cost(nodes))
         took.append(time.perf_counter() - t0)
     return statistics.median(took) * 1e3
 

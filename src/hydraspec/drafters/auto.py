@@ -109,7 +109,7 @@ class AutoDrafter(Drafter):
         self.step = self.cost  # this step's curve: the one-row one, or the packed one for its rows
         self.totals = {n: Tally() for n in drafters}  # every sequence's counts, undiscounted
         self.calibration = {n: Calibration() for n in drafters}  # realised over predicted, chosen drafts
-        self.trust = {n: Calibration().factors(CALIBRATION_WEIGHT) for n in drafters}
+        self.trust = {n: c.factors(CALIBRATION_WEIGHT) for n, c in self.calibration.items()}  # kept per update
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up

@@ -11,10 +11,10 @@ from .base import DecodeState, Drafter, RowStates, Verdict, next_length
 @dataclass
 class LookupRow:
     k: int  # the current proposal length
+    grams: NgramIndex  # the sequence's n-grams, kept up to date as it grows
     proposed: int = 0  # tokens of the last proposal
     misses: int = 0  # proposals in a row that were all rejected
     rest: int = 0  # steps left without looking
-    grams: "NgramIndex | None" = None  # the sequence's n-grams, kept up to date as it grows
 
 
 class PromptLookupDrafter(Drafter):
@@ -38,7 +38,8 @@ class PromptLookupDrafter(Drafter):
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.dynamic = dynamic
         self.max_nodes = num_tokens
-        self.rows: RowStates[LookupRow] = RowStates(lambda s: LookupRow(num_tokens))
+        self.rows: RowStates[LookupRow] = RowStates(
+            lambda s: LookupRow(num_tokens, NgramIndex(self.min_ngram, self.max_ngram)))
 
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         return [self.propose_one(self.rows.of(s), s.tokens) for s in states]
@@ -60,8 +61,6 @@ class PromptLookupDrafter(Drafter):
             row.rest -= 1
             row.proposed = 0
             return DraftTree.empty()
-        if row.grams is None:
-            row.grams = NgramIndex(self.min_ngram, self.max_ngram)
         found = row.grams.lookup(tokens, row.k)
         row.proposed = len(found)
         return DraftTree(torch.tensor(found, dtype=torch.long), chain(len(found)))

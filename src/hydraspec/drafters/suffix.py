@@ -106,7 +106,6 @@ class SuffixTrie:
                 return node, m
         return None, 0
 
-
     def match_open(self, active: list[int]) -> tuple[int | None, int]:
         """:meth:`match` for the sequence this trie holds whole, from its open suffixes (as :meth:`extend`
         returns them, longest first): the first that has a continuation, without walking from the root."""
