@@ -11,7 +11,7 @@ import torch
 
 import tiny
 from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
-from hydraspec.cache import allocate_rows, new_cache, prefill_rows, use_rows
+from hydraspec.cache import allocate_rows, fill_holes, new_cache, prefill_rows, read_row, select_rows, use_rows
 from hydraspec.drafters.draft_model import DraftModelDrafter
 from hydraspec.drafters.prompt_lookup import PromptLookupDrafter
 from hydraspec.inputs import eos_ids
@@ -344,6 +344,27 @@ def test_keep_outside_inference_mode():
                   shape_of((-1, 0, 0, 1)).ancestors, 0)
     cache.keep(0, torch.tensor([0, 2]))
     assert cache.length == 2
+
+
+def test_rows_that_leave_are_filled_by_the_last_rows_with_the_slots_they_use():
+    model = tiny.cached_model(*CASES[0])
+    cache = new_cache(model, 16)
+    allocate_rows(cache, model, 5)
+    for layer in cache.layers:
+        layer.full_k.normal_()
+        layer.full_v.normal_()
+    before = [[(k.clone(), v.clone()) for k, v in read_row(cache, b, 16)] for b in range(5)]
+    keep = fill_holes(5, [0, 2])
+    assert keep == [3, 1, 4]  # row 1 stays; rows 3 and 4 take the places of 0 and 2
+    used = [6, 16, 9]
+    select_rows(cache, keep, used)
+    assert cache.layers[0].k_buf.shape[0] == 3
+    for i, (b, n) in enumerate(zip(keep, used)):
+        for (k, v), (k0, v0) in zip(read_row(cache, i, n), before[b]):
+            assert torch.equal(k, k0[:, :n]) and torch.equal(v, v0[:, :n])
+    assert fill_holes(4, [3]) == [0, 1, 2] and fill_holes(3, [0, 1, 2]) == []
+    with pytest.raises(ValueError, match="cannot move down"):
+        select_rows(cache, [1, 0])
 
 
 def test_cache_overflow_raises():

@@ -211,16 +211,30 @@ def write_row(cache, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> N
         layer.full_v[row, :, :n] = v
 
 
-def select_rows(cache, keep: torch.Tensor) -> None:
-    """Drop the cache rows of finished sequences: the kept rows move to the front of the same buffers
-    (allocated once, never grown) and the layers see only those rows from now on."""
-    n = keep.numel()
-    if not torch.equal(keep.cpu(), torch.arange(n)):
+def fill_holes(rows: int, gone: list[int]) -> list[int]:
+    """The rows that stay when rows ``gone`` of ``rows`` leave, in their new order: each stays where it is,
+    except that the last ones take the places of the rows that left (the fewest rows to copy)."""
+    out = set(gone)
+    keep = [b for b in range(rows) if b not in out]
+    movers = iter(b for b in keep if b >= len(keep))
+    return [b if b not in out else next(movers) for b in range(len(keep))]
+
+
+def select_rows(cache, keep: list[int], used: list[int] | None = None) -> None:
+    """Drop the cache rows of finished sequences: old row keep[i] becomes row i of the same buffers (allocated
+    once, never grown; every keep[i] >= i, as :func:`fill_holes` and ascending lists give, so no row is
+    overwritten before it moves) and the layers see only those rows from now on. ``used``: how many leading
+    slots of each kept row hold anything (only those are copied; default all)."""
+    for i, b in enumerate(keep):
+        if b < i:
+            raise ValueError(f"select_rows: row {b} cannot move down to {i}")
+        if b == i:
+            continue
+        n = None if used is None else used[i]
         for layer in cache.layers:
-            for name in ("full_k", "full_v"):
-                buf = getattr(layer, name)
-                buf[:n] = buf[keep]
-    use_rows(cache, 0, n)
+            layer.full_k[i, :, :n] = layer.full_k[b, :, :n]
+            layer.full_v[i, :, :n] = layer.full_v[b, :, :n]
+    use_rows(cache, 0, len(keep))
 
 
 @torch.inference_mode()

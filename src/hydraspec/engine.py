@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from .accept import ACCEPTORS, Acceptance, fit_vocab
-from .cache import allocate_rows, compact, new_cache, prefill_rows, select_rows, use_rows
+from .cache import allocate_rows, compact, fill_holes, new_cache, prefill_rows, select_rows, use_rows
 from .drafters.base import DecodeState, Drafter, NoDrafter, Verdict
 from .errors import HydraspecError
 from .policy import DraftPolicy, RowStep, StepReport
@@ -82,6 +82,7 @@ class _Row:
     length: int = 0  # this row's cache length L_b
     done: bool = False
     t_start: float = 0.0  # when the row was admitted (its latency runs from here)
+    order: int = 0  # admission order: prompt chunks go to the earliest admitted reading rows first
     hidden_log: list | None = None  # keep_hidden: the target's last hidden states, in position order
     reading: bool = True  # its prompt is not all in the cache yet (it does not decode)
 
@@ -159,7 +160,7 @@ class Engine:
         self.waiting: list[Request] = []
         self.active: list[_Row] = []
         self.forwards = 0
-        self.admissions = 0
+        self.admissions = self.admitted = 0  # admission steps, rows admitted
         self.last_verify_s, self.last_rows = 0.0, 0
 
     # -- the queue ------------------------------------------------------------------------------------
@@ -203,11 +204,12 @@ class Engine:
             new = [self._new_row(req) for req in self.waiting[:k]]
             del self.waiting[:k]
             for i, r in enumerate(new):
-                r.t_start = t0
+                r.t_start, r.order = t0, self.admitted + i
                 r.length = self._reuse(len(self.active) + i, r)
             self.active.extend(new)
             use_rows(self.cache, 0, len(self.active))
             self.admissions += 1
+            self.admitted += k
         for r in self.active:
             if r.reading and not r.unread:
                 self._done_reading(r)
@@ -285,7 +287,7 @@ class Engine:
             return rec
         room = self.capacity - max(r.length for r in self.active)
         budget = min(self.policy.prefill(len(where), self.prefill_chunk), room)
-        for a, r in enumerate(self.active):
+        for a, r in sorted(enumerate(self.active), key=lambda ar: ar[1].order):
             if r.reading and budget > 0:
                 n = min(r.unread, budget)
                 rec.chunks[a] = r.req.ids[r.length:r.length + n]
@@ -420,9 +422,9 @@ class Engine:
                 self.prefix_pool.store(self.cache, b, r.state.tokens[:min(r.length, len(r.state.tokens))])
             r.req.result = self._result(r)
             done.append(r.req)
-        keep = [b for b in range(len(self.active)) if b not in set(gone)]
+        keep = fill_holes(len(self.active), gone)
         self.active[:] = [self.active[b] for b in keep]
-        select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.device))
+        select_rows(self.cache, keep, [r.length for r in self.active])
 
     def _emit(self, r: _Row, emitted: list[int]) -> list[int]:
         """The stop rules: EOS (kept), token budget, stop strings. Returns the tokens that stay."""

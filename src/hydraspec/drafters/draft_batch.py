@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import allocate_rows, cache_kwargs, compact, copy_rows, new_cache, prefill_rows, select_rows, set_length, use_rows
+from ..cache import allocate_rows, cache_kwargs, compact, copy_rows, fill_holes, new_cache, prefill_rows, select_rows, set_length, use_rows
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, chain
 from ..verify import ragged_mask, ragged_positions, with_window
@@ -49,9 +49,9 @@ class DraftBatch:
         """Rows of finished sequences leave, rows for new ones join."""
         gone = [b for b, r in enumerate(self.rows) if r.state.done]
         if gone:
-            keep = [b for b in range(len(self.rows)) if b not in set(gone)]
+            keep = fill_holes(len(self.rows), gone)
             self.rows[:] = [self.rows[b] for b in keep]
-            select_rows(self.cache, torch.tensor(keep, dtype=torch.long, device=self.model.device))
+            select_rows(self.cache, keep, [r.length for r in self.rows])
         new = [s for s in states if s.key not in {r.state.key for r in self.rows}]
         if new:
             self._reserve(len(self.rows) + len(new), max(capacity_of(s) for s in new) + self.p.max_nodes + 1)
