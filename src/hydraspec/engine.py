@@ -404,7 +404,7 @@ class Engine:
         read = sum(len(n) for n in rec.nodes) + sum(len(c) for c in rec.chunks.values())
         self.drafter.step_took(len(self.active), read, self.last_verify_s)
         self.policy.update(StepReport(len(rec.rows), rec.drafted, time.perf_counter() - rec.started,
-                                      sum(len(e) for e in rec.emitted), steps, read))
+                                      sum(len(e) for e in rec.emitted), steps, read, len(rec.chunks)))
         charge(rec.rows, "draft_s", time.perf_counter() - t0)
 
     # -- leaving --------------------------------------------------------------------------------------

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .drafters.base import DecodeState
+from .packed_cost import PackedCost
 from .tally import Tally, shadow_accepted
 from .tree import DraftTree
 
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 20.0
 ROW_PRIOR_WEIGHT = 4.0
+HEADROOM = 0.85  # LatencyCap: a step's fitted cost within this share of its bound
 
 
 @dataclass
@@ -34,7 +36,7 @@ class RowStep:
 class StepReport:
     """One engine step: ``rows`` running rows took ``seconds`` and emitted ``emitted`` tokens; ``drafted``:
     whether the drafter was asked (it paid for its proposals, however many the cut kept); ``tokens``: the new
-    tokens its forward read (trees and prompt chunks)."""
+    tokens its forward read (trees and prompt chunks); ``readers``: rows that read a prompt chunk."""
 
     rows: int
     drafted: bool
@@ -42,6 +44,7 @@ class StepReport:
     emitted: int
     row_steps: list[RowStep]
     tokens: int = 0
+    readers: int = 0  # rows that read a prompt chunk in the same forward
 
 
 class AcceptanceBook:
@@ -126,42 +129,37 @@ class BudgetPolicy(DraftPolicy):
 
 class LatencyCap(DraftPolicy):
     """A server's bound on every step: it may take at most ``ratio`` times a plain step of the rows that
-    decode, so that no stream waits longer than that for its next tokens. The room beside one token a row
-    starts from the measured verify cost ``cost`` (seconds by tokens: c(T) <= ratio * c(rows)) and then
-    follows the steps' own times, as a step with prompt chunks and several rows can cost more than the
-    one-row curve says: a step over the bound shrinks its row count's room by a quarter, one well within it
-    grows the room by a token (plain steps, one token a row, set what a plain step takes). A joining prompt's
-    chunk takes the room first (at least one token, so it always advances); the rows' drafts share what is
-    left, on top of ``inner``'s rule. Cutting drafts and chunks changes when tokens come, never which."""
+    decode, so that no stream waits longer than that for its next tokens. What a step costs is fitted to the
+    server's own steps (hydraspec.packed_cost: seconds by rows in the forward and new tokens, from the
+    measured one-row verify cost ``cost`` as the prior). The room beside one token a row is the most tokens
+    that keep the fitted cost of the step, with a reading row beside the decoding ones, within HEADROOM times
+    the bound (the fit is a mean and steps scatter around it). A joining prompt's chunk takes the room first (at least one token, so it always
+    advances); the rows' drafts share what is left, on top of ``inner``'s rule. Cutting drafts and chunks
+    changes when tokens come, never which."""
 
     def __init__(self, inner: DraftPolicy, cost: Callable[[float], float], ratio: float):
         self.inner, self.cost, self.ratio = inner, cost, ratio
-        self.rooms: dict[int, int] = {}
-        self.plain: dict[int, float] = {}  # rows -> recent seconds of a plain step
+        self.packed = PackedCost(cost)
+
+    def plain(self, rows: int) -> float:
+        """Fitted seconds of a plain step of ``rows`` decoding rows (one token each)."""
+        return self.packed.cost(rows)(rows)
 
     def room(self, rows: int) -> int:
         """Tokens a step of ``rows`` decoding rows may hold beyond one per row."""
-        if rows not in self.rooms:
-            n, bound = max(rows, 1), self.ratio * self.cost(max(rows, 1))
-            while n < rows + 4096 and self.cost(n + 1) <= bound:
-                n += 1
-            self.rooms[rows] = n - rows
-        return self.rooms[rows]
+        r = max(rows, 1)
+        bound, step = HEADROOM * self.ratio * self.plain(r), self.packed.cost(r + 1)
+        n = r
+        while n < r + 4096 and step(n + 1) <= bound:
+            n += 1
+        return n - r
 
     def learn(self, rows: int, tokens: int, seconds: float) -> None:
-        """A step of ``rows`` decoding rows that read ``tokens`` new tokens took ``seconds``."""
-        if rows < 1 or tokens < rows:
-            return
-        if tokens == rows:
-            old = self.plain.get(rows)
-            self.plain[rows] = seconds if old is None else 0.9 * old + 0.1 * seconds
-            return
-        bound = self.ratio * self.plain.get(rows, self.cost(rows))
-        room = self.room(rows)
-        if seconds > bound:
-            self.rooms[rows] = max(1, int(room * 0.75))
-        elif seconds < 0.8 * bound and tokens - rows >= room:
-            self.rooms[rows] = room + 1
+        """A step whose forward held ``rows`` rows (decoding and reading) and ``tokens`` new tokens took
+        ``seconds``. One-row steps run compiled, nearly flat in their tokens: they teach nothing about packed
+        ones."""
+        if rows > 1:
+            self.packed.learn(rows, tokens, seconds)
 
     def prefill(self, rows: int, chunk: int) -> int:
         return min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))
@@ -175,5 +173,5 @@ class LatencyCap(DraftPolicy):
         return self.inner.cut(trees, states, extra)
 
     def update(self, report: StepReport) -> None:
-        self.learn(report.rows, report.tokens, report.seconds)
+        self.learn(report.rows + report.readers, report.tokens, report.seconds)
         self.inner.update(report)
