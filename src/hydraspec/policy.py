@@ -133,9 +133,9 @@ class LatencyCap(DraftPolicy):
     server's own steps (hydraspec.packed_cost: seconds by rows in the forward and new tokens, from the
     measured one-row verify cost ``cost`` as the prior). The room beside one token a row is the most tokens
     that keep the fitted cost of the step, with a reading row beside the decoding ones, within HEADROOM times
-    the bound (the fit is a mean and steps scatter around it). A joining prompt's chunk takes the room first (at least one token, so it always
-    advances); the rows' drafts share what is left, on top of ``inner``'s rule. Cutting drafts and chunks
-    changes when tokens come, never which."""
+    the bound (the fit is a mean and steps scatter around it). A joining prompt's chunk takes the room first
+    (at least one token, so it always advances); the rows' drafts share what is left, on top of ``inner``'s
+    rule. Cutting drafts and chunks changes when tokens come, never which."""
 
     def __init__(self, inner: DraftPolicy, cost: Callable[[float], float], ratio: float):
         self.inner, self.cost, self.ratio = inner, cost, ratio
