@@ -138,7 +138,7 @@ class LatencyCap(DraftPolicy):
     rule. Cutting drafts and chunks changes when tokens come, never which."""
 
     def __init__(self, inner: DraftPolicy, cost: Callable[[float], float], ratio: float):
-        self.inner, self.cost, self.ratio = inner, cost, ratio
+        self.inner, self.ratio = inner, ratio
         self.packed = PackedCost(cost)
 
     def plain(self, rows: int) -> float:
@@ -156,10 +156,8 @@ class LatencyCap(DraftPolicy):
 
     def learn(self, rows: int, tokens: int, seconds: float) -> None:
         """A step whose forward held ``rows`` rows (decoding and reading) and ``tokens`` new tokens took
-        ``seconds``. One-row steps run compiled, nearly flat in their tokens: they teach nothing about packed
-        ones."""
-        if rows > 1:
-            self.packed.learn(rows, tokens, seconds)
+        ``seconds``."""
+        self.packed.learn(rows, tokens, seconds)
 
     def prefill(self, rows: int, chunk: int) -> int:
         return min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))

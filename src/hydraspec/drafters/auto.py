@@ -250,8 +250,7 @@ class AutoDrafter(Drafter):
             self.drafters[n].observe(ss, vs)
 
     def step_took(self, rows: int, tokens: int, seconds: float) -> None:
-        if rows > 1:
-            self.packed.learn(rows, tokens, seconds)
+        self.packed.learn(rows, tokens, seconds)
 
     def forget(self) -> None:
         """Each drafter's memory of earlier answers goes; what was learnt of their acceptance and cost stays."""

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import allocate_rows, cache_kwargs, compact, copy_rows, fill_holes, new_cache, prefill_rows, select_rows, set_length, use_rows
+from ..cache import (allocate_rows, cache_kwargs, compact, copy_rows, fill_holes, new_cache, prefill_rows, select_rows,
+                     set_length, use_rows)
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, chain
 from ..verify import ragged_mask, ragged_positions, with_window
