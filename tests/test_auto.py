@@ -1,4 +1,6 @@
 """The drafters of everyday prompts: suffix decoding, predicted outputs and the per-request choice (auto)."""
+import math
+
 import pytest
 import torch
 
@@ -308,6 +310,48 @@ def test_packed_cost_starts_from_the_curve_and_follows_the_steps():
     for rows, tokens in ((2, 3), (8, 20), (5, 12)):
         assert packed.cost(rows)(tokens) == pytest.approx(0.5 + 0.1 * tokens + 0.05 * (rows - 1), rel=0.05)
     assert packed.cost(2)(0.5) >= curve(0.5)
+
+
+def test_packed_cost_learns_what_a_new_pass_over_the_weights_costs():
+    """Kernels that take 6 rows a pass: a 7th token costs a pass over the weights, the next ones little. Fitted
+    with the passes, the step just past a block and the one that fills it are both predicted; a straight line
+    in the tokens (no block) misses the first by far (so the check can fail)."""
+    from hydraspec.packed_cost import PackedCost
+    from hydraspec.verify_cost import Curve
+
+    def truth(rows, tokens):
+        return 0.03 + 0.003 * tokens + 0.004 * (rows - 1) + 0.02 * (math.ceil(tokens / 6) - 1)
+    curve = Curve({n: truth(1, n) for n in (1, 2, 4, 6, 7, 8, 12, 13, 16)})
+    fits = {block: PackedCost(curve, block) for block in (6, None)}
+    assert fits[6].passes(6) == 1 and fits[6].passes(7) == 2 and fits[None].passes(13) == 1
+    g = torch.Generator().manual_seed(0)
+    for i in range(300):
+        rows, tokens = 2 + i % 3, 2 + (i * 5) % 11
+        for fit in fits.values():
+            fit.learn(rows, tokens, truth(rows, tokens) * (1 + 0.02 * float(torch.randn(1, generator=g))))
+    for rows, tokens in ((2, 6), (2, 7), (3, 12), (4, 5)):
+        assert fits[6].cost(rows)(tokens) == pytest.approx(truth(rows, tokens), rel=0.05)
+    assert fits[None].cost(2)(7) != pytest.approx(truth(2, 7), rel=0.05)
+
+
+def test_packed_cost_stays_sane_through_a_long_run_of_two_row_steps():
+    """A server's long run of steps that all hold two rows (one decoding, one reading, or two decoding) cannot
+    tell the rows term from the constant. The fit still predicts those steps, and its one-row step (what a
+    server's step bound is set from) stays between the one-row curve and the two-row step, however long
+    the run; a prior that fades away entirely leaves it to rounding (so the check can fail)."""
+    from hydraspec.packed_cost import PackedCost
+    from hydraspec.verify_cost import Curve
+
+    curve = Curve({1: 0.035, 4: 0.038, 6: 0.046, 7: 0.058, 16: 0.11})
+    packed = PackedCost(curve, 6)
+    g = torch.Generator().manual_seed(0)
+    for i in range(4000):
+        tokens = 2 + i % 5
+        truth = 0.040 + 0.004 * tokens
+        packed.learn(2, tokens, truth * (1 + 0.02 * float(torch.randn(1, generator=g))))
+        if i % 400 == 399:
+            assert packed.cost(2)(4) == pytest.approx(0.056, rel=0.05)
+            assert curve(1) <= packed.cost(1)(1) <= packed.cost(2)(2)
 
 
 def test_auto_scales_a_drafters_chances_to_what_its_chosen_drafts_realised():

@@ -29,6 +29,7 @@ overhead, padding, a server's own costs).
 """
 from __future__ import annotations
 
+from .backend import rows_per_pass
 from .drafters.base import DecodeState
 from .policy import AcceptanceBook, BudgetPolicy, DraftPolicy, LatencyCap, StepReport
 from .tally import reach
@@ -187,7 +188,7 @@ def make_policy(model, drafter, *, greedy: bool = True, acceptor: str | None = N
     policy = draft_policy(model, drafter, greedy=greedy, acceptor=acceptor, budget=budget, adaptive=adaptive,
                           serving=serving)
     if serving and max_step_cost > 0:
-        return LatencyCap(policy, Curve(measure_verify_cost(model, sizes=SIZES)), max_step_cost)
+        return LatencyCap(policy, Curve(measure_verify_cost(model, sizes=SIZES)), max_step_cost, rows_per_pass(model))
     return policy
 
 

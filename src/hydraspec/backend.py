@@ -9,10 +9,10 @@ import platform
 import torch
 from torch import nn
 
-from .cpu import attention, build, graph, kernels, mlp, norm, pages, quantized, rope
+from .cpu import attention, build, gguf, graph, kernels, mlp, norm, pages, quantized, rope
 
-__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword", "describe",
-           "build_id", "cpu_model", "huge_pages", "compile_steps"]
+__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword",
+           "rows_per_pass", "describe", "build_id", "cpu_model", "huge_pages", "compile_steps"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -59,6 +59,12 @@ def packed_keyword(model: nn.Module) -> str | None:
     sequence, see hydraspec.cpu.attention.packed_attention) where the model runs the backend's attention;
     None where it cannot."""
     return attention.PACKED if getattr(model.config, "_attn_implementation", None) == attention.NAME else None
+
+
+def rows_per_pass(model: nn.Module) -> int | None:
+    """Activation rows the kernels of the model's GGUF weights take per pass over each weight (a forward
+    over more new tokens goes through the weights again: hydraspec.packed_cost); None for other weights."""
+    return gguf.rows_per_pass() if any(isinstance(m, gguf.GGUFLinear) for m in model.modules()) else None
 
 
 def native_bf16() -> bool:

@@ -29,7 +29,8 @@ from . import kernels, ops
 from ..errors import HydraspecError
 from .gguf_blocks import SUPPORTED, QuantWeight, decode
 
-__all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped"]
+__all__ = ["SUPPORTED", "QuantWeight", "decode", "GGUFLinear", "GGUFEmbedding", "can_concat", "quantize_rows_grouped",
+           "rows_per_pass"]
 
 PACK_BLOCK = 32
 
@@ -67,6 +68,15 @@ def can_concat(parts: list["GGUFLinear"]) -> bool:
 def _gguf_lib():
     lib = kernels.int8_dot_lib()
     return lib if lib is not None and hasattr(lib, "hs_gguf_apply") else None
+
+
+def rows_per_pass() -> int | None:
+    """Activation rows the GGUF kernel takes per pass over a block of weights (NBG in csrc/bf16_linear.c, the
+    AVX-512 VNNI build; NG in csrc/avx2_linear.c); None without the kernel."""
+    lib = _gguf_lib()
+    if lib is None:
+        return None
+    return 4 if "avx2_linear" in str(getattr(lib, "_name", "")) else 6
 
 
 class _GGUFCall(ctypes.Structure):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from ..backend import rows_per_pass
 from ..errors import HydraspecError
 from ..heads.checkpoint import default_tree
 from ..verify_cost import SIZES, measure_verify_cost
@@ -26,7 +27,8 @@ def make_auto(target, costly: dict[str, Drafter] | None = None, pld_tokens: int 
         "pld": PromptLookupDrafter(num_tokens=pld_tokens, max_ngram=pld_ngram, min_ngram=pld_min_ngram, dynamic=False),
         "suffix": SuffixDrafter(), "prediction": PredictionDrafter()}
     subs.update(costly or {})
-    return AutoDrafter(subs, cost if cost is not None else measure_verify_cost(target, sizes=SIZES))
+    return AutoDrafter(subs, cost if cost is not None else measure_verify_cost(target, sizes=SIZES),
+                       rows_per_pass(target) if target is not None else None)
 
 
 METHODS = ("ar", "auto", "draft", "pld", "suffix", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa",

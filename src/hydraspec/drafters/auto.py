@@ -93,19 +93,20 @@ class AutoRow:
 
 class AutoDrafter(Drafter):
     """See the module docstring. ``drafters``: name -> Drafter; ``cost``: the target's verify cost, measured
-    points {n: seconds} (hydraspec.verify_cost)."""
+    points {n: seconds} (hydraspec.verify_cost); ``block``: the target's kernels' rows per pass over a weight
+    (hydraspec.backend.rows_per_pass)."""
 
     name = "auto"
     paced = True
 
-    def __init__(self, drafters: dict[str, Drafter], cost: dict[int, float]):
+    def __init__(self, drafters: dict[str, Drafter], cost: dict[int, float], block: int | None = None):
         self.drafters = drafters
         self.cheap = {n: d for n, d in drafters.items() if d.cheap}
         self.costly = {n: d for n, d in drafters.items() if not d.cheap}
         self.max_nodes = max([d.max_nodes for d in drafters.values()] + [0])
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
         self.cost = Curve(cost)
-        self.packed = PackedCost(self.cost)  # steps of several rows, learnt from their own times
+        self.packed = PackedCost(self.cost, block)  # steps of several rows, learnt from their own times
         self.step = self.cost  # this step's curve: the one-row one, or the packed one for its rows
         self.totals = {n: Tally() for n in drafters}  # every sequence's counts, undiscounted
         self.calibration = {n: Calibration() for n in drafters}  # realised over predicted, chosen drafts
