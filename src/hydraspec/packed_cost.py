@@ -6,17 +6,17 @@ packed, eagerly, with attention over several caches: it costs more, and its cost
 where the compiled curve is nearly flat over some sizes. A drafter that weighs cost against acceptance on
 the one-row curve would then verify drafts in a batch that cost more than they give.
 
-:class:`PackedCost` fits seconds = a + b * tokens + c * (rows - 1) + d * (passes - 1) by least squares over
-the recent packed steps (each older step weighing FORGET times the next), from a prior of the one-row
-curve's points worth PRIOR steps in all. The prior fades with the steps, but for a share KEEP of the points
-and a pull of the rows term towards 0 and of the passes term towards the curve's own jumps: steps that all
-hold two rows cannot tell the rows term from the constant, nor steps that stay within one block the passes
-term, and without a prior that stays their fit would be any split of the two (a long-lived server's fit did
-go that way, and a joining prompt read 13 tokens a step beside one decoding row). ``passes`` is how many times the kernels go through each weight for
-that many tokens (they take activation rows in blocks, hydraspec.backend.rows_per_pass): the first token
-of a new block costs a pass over the weights, the next ones little, so a straight line in the tokens
-under-prices the step just past a block and over-prices the one that fills it. Until steps are seen it is
-the curve; then it follows the machine.
+:class:`PackedCost` fits seconds = a + b * tokens + c * (rows - 1) + d * (passes - 1) by least squares over the
+recent packed steps (each older step weighing FORGET times the next), from a prior of the one-row curve's points
+worth PRIOR steps in all. The prior fades with the steps, but for a share KEEP of the points and a pull of the
+rows term towards 0 and of the passes term towards the curve's own jumps: steps that all hold two rows cannot
+tell the rows term from the constant, nor steps that stay within one block the passes term, and without a prior
+that stays their fit would be any split of the two (a long-lived server's fit did go that way, and a joining
+prompt read 13 tokens a step beside one decoding row). ``passes`` is how many times the kernels go through each
+weight for that many tokens (they take activation rows in blocks, hydraspec.backend.rows_per_pass): the first
+token of a new block costs a pass over the weights, the next ones little, so a straight line in the tokens
+under-prices the step just past a block and over-prices the one that fills it. Until steps are seen it is the
+curve; then it follows the machine.
 """
 from __future__ import annotations
 

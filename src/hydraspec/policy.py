@@ -128,15 +128,15 @@ class BudgetPolicy(DraftPolicy):
 
 
 class LatencyCap(DraftPolicy):
-    """A server's bound on every step: it may take at most ``ratio`` times a plain step of the rows that
-    decode, so that no stream waits longer than that for its next tokens. What a step costs is fitted to the
-    server's own steps (hydraspec.packed_cost: seconds by rows in the forward, new tokens and the kernels'
-    passes over the weights, ``block`` rows a pass, from the measured one-row verify cost ``cost`` as the
-    prior). The room beside one token a row is the most tokens that keep the fitted cost of the step, with a
-    reading row beside the decoding ones, within HEADROOM times the bound (the fit is a mean and steps
-    scatter around it). A joining prompt's chunk takes the room first
-    (at least one token, so it always advances); the rows' drafts share what is left, on top of ``inner``'s
-    rule. Cutting drafts and chunks changes when tokens come, never which."""
+    """A server's bound on every step: it may take at most ``ratio`` times a plain step of the rows that decode, so
+    that no stream waits longer than that for its next tokens. What a step costs is fitted to the server's own
+    steps (hydraspec.packed_cost: seconds by rows in the forward, new tokens and the kernels' passes over the
+    weights, ``block`` rows a pass, from the measured one-row verify cost ``cost`` as the prior). The room
+    beside one token a row is the most tokens that keep the fitted cost of the step, with a reading row beside
+    the decoding ones, within HEADROOM times the bound (the fit is a mean and steps scatter around it). A
+    joining prompt's chunk takes the room first (at least one token, so it always advances); the rows' drafts
+    share what is left, on top of ``inner``'s rule. Cutting drafts and chunks changes when tokens come, never
+    which."""
 
     def __init__(self, inner: DraftPolicy, cost: Callable[[float], float], ratio: float, block: int | None = None):
         self.inner, self.ratio = inner, ratio
