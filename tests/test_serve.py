@@ -496,3 +496,40 @@ def test_shutdown_mid_request_is_an_error_not_a_finished_answer():
                 assert not ch.choices or ch.choices[0].finish_reason is None
         t.join(60)
         assert plain_error and plain_error[0][0] == 503 and plain_error[0][1]["code"] == "cancelled"
+
+
+def test_a_pacing_drafter_decodes_plainly_where_the_clock_says_its_drafts_lose():
+    """``auto`` chooses its own drafts; at 8 decoding rows the steps that verified some are measured slower
+    than those that verified none: after a few probes the check decodes plainly there (one probe in
+    PROBE_EVERY), while at 2 rows, where drafting pays, and at one row (never checked) the drafter keeps its
+    choice. Steps that also read a prompt chunk are not compared."""
+    from hydraspec.adaptive import MIN_STEPS, PROBE_EVERY, PacedCheck, draft_policy
+    from hydraspec.drafters import make_auto
+    from hydraspec.policy import StepReport
+
+    rule = PacedCheck()
+    clock = {2: (0.040, 0.045, 3), 8: (0.090, 0.120, 9)}  # rows -> plain s, drafting s, tokens a drafting step
+
+    def run(rows, steps, readers=0):
+        ks = []
+        for i in range(steps):
+            k = rule.limit(rows)
+            drafts = k != 0 and i % 2 == 0  # the drafter itself drafts every other step
+            plain_s, draft_s, emitted = clock[rows]
+            rule.update(StepReport(rows, k != 0, draft_s if drafts else plain_s, emitted if drafts else rows, [],
+                                   tokens=rows + 2 * drafts + 5 * readers, readers=readers))
+            ks.append(k)
+        return ks
+
+    assert rule.limit(1) is None and rule.limit(2) is None
+    run(8, 3 * PROBE_EVERY * MIN_STEPS, readers=1)
+    assert not rule.measured  # steps beside a prompt chunk: not compared
+    run(8, 3 * PROBE_EVERY * MIN_STEPS)
+    assert rule.drafting_loses(8)  # 75 tokens/s with drafts, 89 without
+    late = run(8, 10 * PROBE_EVERY)
+    assert late.count(None) == 10 and late.count(0) == 9 * PROBE_EVERY
+    twos = run(2, 20 * PROBE_EVERY)
+    assert not rule.drafting_loses(2) and twos.count(None) > 0.9 * len(twos)  # 67 tokens/s with drafts, 50 without
+    assert all(rule.limit(1) is None for _ in range(3 * PROBE_EVERY))
+    m = target()
+    assert isinstance(draft_policy(m, make_auto(m, cost={1: 1.0, 16: 1.0}), serving=True), PacedCheck)

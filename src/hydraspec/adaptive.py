@@ -41,20 +41,82 @@ PAY_MARGIN = 1.15
 PROBE_EVERY, MIN_STEPS, EWMA_STEPS = 10, 8, 32
 
 
-class AdaptiveDraft(DraftPolicy):
+class ClockCheck(DraftPolicy):
+    """The clock's side of the module docstring: per number of rows, the tokens per second of the steps that
+    drafted and of those that did not, and whether drafting was measured slower."""
+
+    def __init__(self):
+        # per number of rows: [tokens/s, steps] of drafting steps and of plain ones, and a step counter
+        self.measured: dict[int, dict[str, list[float]]] = {}
+        self.calls: dict[int, int] = {}
+
+    def observe(self, rows: int, k: int, seconds: float, tokens: int) -> None:
+        """One engine step at ``rows`` rows that drafted up to ``k`` tokens a row took ``seconds`` and emitted
+        ``tokens`` tokens."""
+        if seconds <= 0:
+            return
+        side = self.measured.setdefault(rows, {}).setdefault("draft" if k else "plain", [0.0, 0])
+        rate, n = side
+        w = 1.0 / min(n + 1, EWMA_STEPS)
+        side[0], side[1] = rate + w * (tokens / seconds - rate), n + 1
+
+    def _verdict(self, rows: int) -> bool | None:
+        m = self.measured.get(rows, {})
+        d, p = m.get("draft"), m.get("plain")
+        if not (d and p and d[1] >= MIN_STEPS and p[1] >= MIN_STEPS):
+            return None
+        return d[0] < p[0]
+
+    def drafting_loses(self, rows: int) -> bool:
+        """Whether drafting steps at ``rows`` rows were measured slower than plain ones (enough of each); with
+        too few steps at ``rows``, whether they were at some smaller row count (a wider batch only makes the
+        verify forward's extra tokens cost more)."""
+        own = self._verdict(rows)
+        if own is not None:
+            return own
+        return any(self._verdict(r) for r in self.measured if r < rows)
+
+    def probe(self, rows: int) -> bool:
+        """Count a step at ``rows`` rows; whether it is one that goes against the current verdict: a draft
+        where drafting was measured slower (one step in PROBE_EVERY), a plain step to compare with where it
+        was not (one in PROBE_EVERY until MIN_STEPS plain ones are in, then one in 4 x PROBE_EVERY)."""
+        n = self.calls[rows] = self.calls.get(rows, 0) + 1
+        if self.drafting_loses(rows):
+            return n % PROBE_EVERY == 0
+        plain = self.measured.get(rows, {}).get("plain", [0.0, 0])[1]
+        return n % (PROBE_EVERY if plain < MIN_STEPS else 4 * PROBE_EVERY) == 0
+
+
+class PacedCheck(ClockCheck):
+    """A drafter that paces itself (``auto``, which weighs each row's drafts on the step's fitted cost) checked
+    against the clock as :class:`AdaptiveDraft` checks its model: at two or more decoding rows, the steps that
+    verified drafts against those that verified none (steps that also read a prompt chunk are left out);
+    where drafting is measured slower, that row count decodes plainly, but for a probe. One row keeps the
+    drafter's own choice."""
+
+    def limit(self, rows: int, extra: int = 0) -> int | None:
+        if rows < 2:
+            return None
+        plain = self.drafting_loses(rows) != self.probe(rows)
+        return 0 if plain else None
+
+    def update(self, report: StepReport) -> None:
+        if report.rows >= 2 and not report.readers:
+            self.observe(report.rows, int(report.tokens > report.rows), report.seconds, report.emitted)
+
+
+class AdaptiveDraft(ClockCheck):
     """The policy of the module docstring over measured costs ``cost`` ({tokens: seconds}) and the acceptance
     it counts itself (:class:`hydraspec.policy.AcceptanceBook`). packed: the engine verifies rows packed."""
 
     def __init__(self, cost: dict[int, float], k_max: int, check: bool = True, cheap: bool = False,
                  packed: bool = False):
+        super().__init__()
         self.curve = Curve(cost)
         self.k_max = max(0, int(k_max))
         self.cheap, self.check, self.packed = cheap, check, packed
         self.book = AcceptanceBook()
         self.last: dict[int, int] = {}
-        # per number of rows: [tokens/s, steps] of drafting steps and of plain ones, and a step counter
-        self.measured: dict[int, dict[str, list[float]]] = {}
-        self.calls: dict[int, int] = {}
 
     def cost(self, n: int) -> float:
         return self.curve(n)
@@ -118,14 +180,8 @@ class AdaptiveDraft(DraftPolicy):
 
     def limit(self, rows: int, extra: int = 0) -> int:
         k = self.k_max if self.cheap else self.best_k(rows, extra=extra)
-        if k and self.check:
-            n = self.calls[rows] = self.calls.get(rows, 0) + 1
-            if self.drafting_loses(rows):
-                k = k if n % PROBE_EVERY == 0 else 0  # measured slower: plain, checking the draft now and then
-            else:
-                plain = self.measured.get(rows, {}).get("plain", [0.0, 0])[1]
-                if n % (PROBE_EVERY if plain < MIN_STEPS else 4 * PROBE_EVERY) == 0:
-                    k = 0  # a plain step to compare with (rarer once there are enough)
+        if k and self.check and self.drafting_loses(rows) != self.probe(rows):
+            k = 0  # measured slower (but for a probe), or a plain step to compare with
         self.last[rows] = k
         return k
 
@@ -145,32 +201,6 @@ class AdaptiveDraft(DraftPolicy):
     def update(self, report: StepReport) -> None:
         self.book.update(report.row_steps)
         self.observe(report.rows, int(report.drafted), report.seconds, report.emitted)
-
-    def observe(self, rows: int, k: int, seconds: float, tokens: int) -> None:
-        """One engine step at ``rows`` rows that drafted up to ``k`` tokens a row took ``seconds`` and emitted
-        ``tokens`` tokens."""
-        if seconds <= 0:
-            return
-        side = self.measured.setdefault(rows, {}).setdefault("draft" if k else "plain", [0.0, 0])
-        rate, n = side
-        w = 1.0 / min(n + 1, EWMA_STEPS)
-        side[0], side[1] = rate + w * (tokens / seconds - rate), n + 1
-
-    def _verdict(self, rows: int) -> bool | None:
-        m = self.measured.get(rows, {})
-        d, p = m.get("draft"), m.get("plain")
-        if not (d and p and d[1] >= MIN_STEPS and p[1] >= MIN_STEPS):
-            return None
-        return d[0] < p[0]
-
-    def drafting_loses(self, rows: int) -> bool:
-        """Whether drafting steps at ``rows`` rows were measured slower than plain ones (enough of each); with
-        too few steps at ``rows``, whether they were at some smaller row count (a wider batch only makes the
-        verify forward's extra tokens cost more)."""
-        own = self._verdict(rows)
-        if own is not None:
-            return own
-        return any(self._verdict(r) for r in self.measured if r < rows)
 
     def describe(self) -> str:
         costs = ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in self.points)
@@ -199,12 +229,16 @@ def draft_policy(model, drafter, *, greedy: bool = True, acceptor: str | None = 
     for sampled requests) and a drafter whose proposals cost next to nothing (a server: any drafter, whose
     drafts it cuts by the load). Sampling keeps the drafter's own lengths elsewhere: which drafts are
     verified decides which random numbers are drawn, and a seed must give the same text on every run.
-    Otherwise (and for a drafter that paces itself) every proposal is verified whole (DraftPolicy)."""
+    A drafter that paces itself keeps its own choice, checked against the clock at several rows where the
+    same conditions hold (PacedCheck). Otherwise every proposal is verified whole (DraftPolicy)."""
     if budget is not None:
         return BudgetPolicy(budget)
-    if not adaptive or drafter.max_nodes < 1 or drafter.paced or model.device.type != "cpu":
+    if not adaptive or drafter.max_nodes < 1 or model.device.type != "cpu":
         return DraftPolicy()
-    if not serving and (not greedy or acceptor not in (None, "greedy") or not drafter.cheap):
+    exact = greedy and acceptor in (None, "greedy")
+    if drafter.paced:
+        return PacedCheck() if serving or exact else DraftPolicy()
+    if not serving and (not exact or not drafter.cheap):
         return DraftPolicy()
     return AdaptiveDraft(measure_verify_cost(model, sizes=SIZES), drafter.max_nodes, cheap=drafter.cheap,
                          packed=can_pack(model))
