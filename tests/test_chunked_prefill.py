@@ -93,9 +93,9 @@ def test_a_step_bound_keeps_every_forward_within_its_cost_and_answers_as_alone(t
                         policy=policy)
         if not engine.prefill_chunk:
             pytest.skip("chunked prefill needs packed rows")
-        rows = [0]
+        rows, lone = [0], [False]  # decoding rows; one of them and no prompt read beside it
         hook = m.register_forward_pre_hook(lambda mod, args, kw: seen.append(
-            (rows[0], kw["input_ids"].numel(), cap.room(rows[0]) if rows[0] else 0)), with_kwargs=True)
+            (rows[0], kw["input_ids"].numel(), cap.room(rows[0], lone[0]) if rows[0] else 0)), with_kwargs=True)
         try:
             first = Request(PROMPTS_REPEAT, 40)
             engine.add(first)
@@ -105,6 +105,7 @@ def test_a_step_bound_keeps_every_forward_within_its_cost_and_answers_as_alone(t
             seen.clear()
             while engine.busy:
                 rows[0] = sum(not r.reading for r in engine.active)
+                lone[0] = rows[0] == 1 and not any(r.reading for r in engine.active)
                 engine.step()
         finally:
             hook.remove()
@@ -138,6 +139,21 @@ def test_the_step_bound_follows_the_steps_own_times():
         expected = max(t for t in range(100) if truth(rows + 1, rows + t) <= bound)
         assert cap.room(rows) == expected
     assert [cap.room(r) for r in (2, 4)] == [4, 6]
+
+
+def test_a_lone_row_is_bounded_on_its_own_curve():
+    """One decoding row and no prompt beside it runs a one-row (compiled) forward: its drafts are bounded on the
+    one-row curve, whatever the packed steps were seen to cost; beside a prompt chunk, on the packed fit."""
+    from hydraspec.policy import HEADROOM, DraftPolicy, LatencyCap
+
+    curve = lambda n: 1.0 + 0.25 * (n - 1)  # noqa: E731
+    cap = LatencyCap(DraftPolicy(), curve, 2.0)
+    for i in range(300):
+        rows, tokens = 2 + i % 3, 3 + i % 7
+        cap.learn(rows, tokens, 1.0 + 1.0 * tokens)  # packed steps: a whole step per token
+    alone = max(t for t in range(20) if curve(1 + t) <= HEADROOM * 2.0 * curve(1))
+    assert cap.room(1, alone=True) == alone == 2
+    assert cap.room(1) < alone and cap.limit(1) == alone and cap.limit(1, extra=1) < alone
 
 
 PROMPTS_REPEAT = [5, 6, 7, 8, 9] * 6

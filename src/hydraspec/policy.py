@@ -146,10 +146,14 @@ class LatencyCap(DraftPolicy):
         """Fitted seconds of a plain step of ``rows`` decoding rows (one token each)."""
         return self.packed.cost(rows)(rows)
 
-    def room(self, rows: int) -> int:
-        """Tokens a step of ``rows`` decoding rows may hold beyond one per row."""
+    def room(self, rows: int, alone: bool = False) -> int:
+        """Tokens a step of ``rows`` decoding rows may hold beyond one per row; ``alone``: one row and no
+        prompt chunk beside it, a one-row forward priced on the one-row curve (it runs compiled)."""
         r = max(rows, 1)
-        bound, step = HEADROOM * self.ratio * self.plain(r), self.packed.cost(r + 1)
+        if alone and r == 1:
+            bound, step = HEADROOM * self.ratio * self.packed.curve(1), self.packed.curve
+        else:
+            bound, step = HEADROOM * self.ratio * self.plain(r), self.packed.cost(r + 1)
         n = r
         while n < r + 4096 and step(n + 1) <= bound:
             n += 1
@@ -164,7 +168,7 @@ class LatencyCap(DraftPolicy):
         return min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))
 
     def limit(self, rows: int, extra: int = 0) -> int | None:
-        cap = max(0, self.room(rows) - extra) // max(rows, 1)
+        cap = max(0, self.room(rows, alone=not extra) - extra) // max(rows, 1)
         inner = self.inner.limit(rows, extra)
         return cap if inner is None else min(inner, cap)
 

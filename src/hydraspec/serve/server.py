@@ -64,7 +64,8 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
     if isinstance(inner, AdaptiveDraft):
         say(f"adaptive speculation: {inner.describe()}")
     if isinstance(rule, LatencyCap):
-        rooms = ", ".join(f"{r} rows -> {rule.room(r)}" for r in (1, 2, 4, 8))
+        rooms = f"1 row alone -> {rule.room(1, alone=True)}, " + ", ".join(f"{r} rows -> {rule.room(r)}"
+                                                                      for r in (1, 2, 4, 8))
         say(f"every step within {max_step_cost:g} plain steps: tokens beside one a row (drafts, prompt chunks): {rooms}")
     say(f"KV cache: {max_batch} rows x {capacity} slots = {gib(cache_bytes(bg.model, max_batch, capacity))} "
         f"(target{' + draft model' if need > cache_bytes(bg.model, max_batch, capacity) else ''}: {gib(need)}), "
