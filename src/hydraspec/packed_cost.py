@@ -74,6 +74,10 @@ class PackedCost:
             return
         self.b, self.d = max(self.b, MIN_SLOPE * self.slope), max(self.d, 0.0)
 
+    def forward(self, rows: int) -> Callable[[float], float]:
+        """T -> seconds of a forward holding ``rows`` rows: one row runs compiled, on the one-row curve."""
+        return self.curve if rows == 1 else self.cost(rows)
+
     def cost(self, rows: int) -> Callable[[float], float]:
         """T -> seconds of a packed step of ``rows`` rows over T new tokens (never below the one-row curve)."""
         base = self.a + self.c * (rows - 1)

@@ -151,7 +151,8 @@ class LatencyCap(DraftPolicy):
         prompt chunk beside it, a one-row forward priced on the one-row curve (it runs compiled)."""
         r = max(rows, 1)
         if alone and r == 1:
-            bound, step = HEADROOM * self.ratio * self.packed.curve(1), self.packed.curve
+            step = self.packed.forward(1)
+            bound = HEADROOM * self.ratio * step(1)
         else:
             bound, step = HEADROOM * self.ratio * self.plain(r), self.packed.cost(r + 1)
         n = r

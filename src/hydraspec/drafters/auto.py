@@ -120,7 +120,7 @@ class AutoDrafter(Drafter):
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         rows = [self.rows.of(s) for s in states]
         forward_rows = len(states) + (1 if self.beside else 0)
-        self.step = self.cost if forward_rows == 1 else self.packed.cost(forward_rows)
+        self.step = self.packed.forward(forward_rows)
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
         cheap = {n: self._timed(n, states) for n in self.cheap}
