@@ -57,6 +57,30 @@ def test_requests_joining_mid_stream_read_in_chunks_and_answer_as_alone(tok, met
         assert read_steps == 0
 
 
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_a_joining_row_decodes_in_the_step_that_reads_the_rest_of_its_prompt(tok, method):
+    """The last chunk of a prompt and the row's first verify tree go in one forward: the first token comes in
+    the step that reads the rest (20 tokens at 8 a step: 8, 8, then 3 + the pending one), and the answer is
+    the one decoded alone."""
+    m = model()
+    engine = Engine(m, tok, drafter(method, m), eos_ids(m, tok), rows=2, capacity=300, prefill_chunk=8)
+    running = Request(prompt(10, 3) * 3, 60)
+    engine.add(running)
+    engine.step()
+    got = []
+    joining = Request(prompt(20, 4), N, on_tokens=lambda req, ids: got.append(len(ids)))
+    engine.add(joining)
+    steps = 0
+    while not got:
+        engine.step()
+        steps += 1
+    assert steps == 3
+    while engine.busy:
+        engine.step()
+    assert joining.result.token_ids == alone(m, tok, method, joining.ids)
+    assert running.result.token_ids == alone(m, tok, method, running.ids, 60)
+
+
 def test_a_chunked_prompt_after_a_cache_hit_reads_only_the_rest(tok):
     m = model()
     engine = Engine(m, tok, None, eos_ids(m, tok), rows=2, capacity=600, prefill_chunk=8,

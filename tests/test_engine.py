@@ -646,3 +646,35 @@ def test_pld_draft_runs_the_draft_model_only_where_lookup_finds_nothing(tok):
     assert res.token_ids == ref
     matched = sum(1 for n in lookup_steps if n)
     assert matched and len(inner_steps) == len(lookup_steps) - matched  # the draft model ran on the other steps only
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_verify_skips_the_logits_of_nodes_no_one_reads(packed):
+    """verify_rows with ``skip``: packed, only the other nodes reach the vocabulary projection; either way each
+    row's first index points past its skipped nodes, at the logits it has without a skip."""
+    model = tiny.cached_model("qwen2", "hydraspec_cpu", 6)
+    rng = random.Random(3)
+    V = model.config.vocab_size
+    prefixes = [[rng.randrange(V) for _ in range(n)] for n in (4, 9, 2)]
+    nodes = [[rng.randrange(V) for _ in range(n)] for n in (3, 5, 2)]
+    shapes = [shape_of(chain(len(row))) for row in nodes]
+    skip = [0, 5, 1]  # a tree, a prompt chunk (no logits at all), a lead of one prompt token before a tree
+    out = {}
+    for s in (None, skip):
+        cache = new_cache(model, 64)
+        allocate_rows(cache, model, len(prefixes))
+        prefill_rows(model, cache, 0, prefixes)
+        use_rows(cache, 0, len(prefixes))
+        spy = []
+        hook = model.lm_head.register_forward_pre_hook(lambda m, a: spy.append(a[0].shape[-2]))
+        try:
+            out[s is None] = verify_rows(model, cache, nodes, shapes, [len(p) for p in prefixes], False, packed,
+                                         skip=s)
+        finally:
+            hook.remove()
+        projected = sum(map(len, nodes)) - (sum(skip) if s else 0) if packed else max(map(len, nodes))
+        assert spy == [projected]
+    (la, _, fa), (lb, _, fb) = out[True], out[False]
+    for b, row in enumerate(nodes):
+        keep = len(row) - skip[b]
+        torch.testing.assert_close(lb[fb[b]:fb[b] + keep], la[fa[b] + skip[b]:fa[b] + len(row)], atol=1e-5, rtol=1e-5)

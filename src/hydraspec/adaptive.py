@@ -101,7 +101,7 @@ class PacedCheck(ClockCheck):
         return 0 if plain else None
 
     def update(self, report: StepReport) -> None:
-        if report.rows >= 2 and not report.readers:
+        if report.rows >= 2 and not report.readers and not report.joined:
             self.observe(report.rows, int(report.tokens > report.rows), report.seconds, report.emitted)
 
 

@@ -104,6 +104,8 @@ class StepRecord:
     started: float  # perf_counter at the start of the step
     where: list[int] = field(default_factory=list)  # [B] each decoding row's index into the engine's rows
     chunks: dict[int, list[int]] = field(default_factory=dict)  # row index -> prompt tokens it reads this step
+    leads: dict[int, list[int]] = field(default_factory=dict)  # decoding row index -> the rest of its prompt,
+    # read in this forward just before its verify tree (the row's first step: it decodes as it finishes reading)
     width: int = 0  # N: the largest verify tree (or chunk); the forward writes slots [W, W + N)
     drafted: bool = False  # whether the drafter was asked
     trees: list[DraftTree] = field(default_factory=list)  # [B] each row's proposal, as verified
@@ -280,28 +282,34 @@ class Engine:
 
     def _record(self) -> StepRecord:
         """The step's decoding rows, and the prompt chunks reading rows take (within the chunk budget and the
-        cache's room above the write pointer)."""
+        cache's room above the write pointer). A reading row whose rest of the prompt and pending token both fit
+        in what is left of the budget reads that rest as the lead of its first verify tree (``rec.leads``) and
+        decodes in this step: its first token comes a step sooner."""
         where = [a for a, r in enumerate(self.active) if not r.reading]
-        rec = StepRecord(rows=[self.active[a] for a in where], started=time.perf_counter(), where=where)
-        if len(where) == len(self.active):  # no row is reading its prompt
-            return rec
-        room = self.capacity - max(r.length for r in self.active)
-        budget = min(self.policy.prefill(len(where), self.prefill_chunk), room)
-        for a, r in sorted(enumerate(self.active), key=lambda ar: ar[1].order):
-            if r.reading and budget > 0:
-                n = min(r.unread, budget)
-                rec.chunks[a] = r.req.ids[r.length:r.length + n]
-                budget -= n
+        rec = StepRecord(rows=[], started=time.perf_counter(), where=where)
+        if len(where) < len(self.active):  # a row is reading its prompt
+            room = self.capacity - max(r.length for r in self.active)
+            budget = min(self.policy.prefill(len(where), self.prefill_chunk), room)
+            for a, r in sorted(enumerate(self.active), key=lambda ar: ar[1].order):
+                if r.reading and budget > 0:
+                    n = min(r.unread, budget)
+                    if n == r.unread < budget and n + 1 + self.drafter.max_nodes <= room:
+                        rec.leads[a], budget = r.req.ids[r.length:r.length + n], budget - n - 1
+                        self._done_reading(r)
+                    else:
+                        rec.chunks[a], budget = r.req.ids[r.length:r.length + n], budget - n
+            rec.where = sorted(where + list(rec.leads))
+        rec.rows = [self.active[a] for a in rec.where]
         return rec
 
     def _propose(self, rec: StepRecord) -> None:
         """Each row's draft tree: the drafter's proposal within the policy's limit and the row's token budget,
         then cut by the policy."""
         t0 = time.perf_counter()
-        extra = sum(len(c) for c in rec.chunks.values())
+        extra = sum(len(c) for c in rec.chunks.values()) + sum(len(c) for c in rec.leads.values())
         limit = self.policy.limit(len(rec.rows), extra)
         rec.drafted = limit != 0
-        self.drafter.beside, self.drafter.limit = extra, limit
+        self.drafter.beside, self.drafter.readers, self.drafter.limit = extra, len(rec.chunks), limit
         trees = self.drafter.propose(rec.states) if rec.drafted else [DraftTree.empty() for _ in rec.rows]
         trees = [self._fit(t, r, limit) for t, r in zip(trees, rec.rows)]
         rec.trees = self.policy.cut(trees, rec.states, extra) if rec.drafted else trees
@@ -321,18 +329,20 @@ class Engine:
         return tree
 
     def _verify(self, rec: StepRecord) -> None:
-        """One forward over every row's tree and every prompt chunk (packed where the backend can, else padded
-        to N nodes)."""
+        """One forward over every row's tree (after its lead, if any) and every prompt chunk (packed where the
+        backend can, else padded to N nodes); logits only where a tree needs them."""
         t0 = time.perf_counter()
         nodes, shapes = [[] for _ in self.active], [shape_of(()) for _ in self.active]
+        skip = [0] * len(self.active)  # each row's first nodes whose logits no one reads
         for b, a in enumerate(rec.where):
-            nodes[a], shapes[a] = rec.nodes[b], rec.shapes[b]
+            lead = rec.leads.get(a, [])
+            nodes[a], shapes[a], skip[a] = lead + rec.nodes[b], after_lead(len(lead), rec.shapes[b]), len(lead)
         for a, chunk in rec.chunks.items():
-            nodes[a], shapes[a] = chunk, shape_of(chain(len(chunk)))
+            nodes[a], shapes[a], skip[a] = chunk, shape_of(chain(len(chunk))), len(chunk)
         rec.width = max(s.size for s in shapes)
         rec.logits, rec.hidden, first = verify_rows(
             self.model, self.cache, nodes, shapes, [r.length for r in self.active], self.need_hidden,
-            self.packed, self.device, self.dtype)
+            self.packed, self.device, self.dtype, skip)
         rec.first = [first[a] for a in rec.where]
         self.forwards += 1
         self.last_verify_s, self.last_rows = time.perf_counter() - t0, len(rec.rows)
@@ -355,7 +365,8 @@ class Engine:
         layer for the batch); a row whose prompt is now all in the cache decodes from the next step."""
         paths = [[] for _ in self.active]
         for b, a in enumerate(rec.where):
-            paths[a] = rec.accepted[b].path
+            lead = len(rec.leads.get(a, ()))
+            paths[a] = list(range(lead)) + [lead + i for i in rec.accepted[b].path]
         for a, chunk in rec.chunks.items():
             paths[a] = list(range(len(chunk)))
         B, N = len(self.active), rec.width
@@ -401,10 +412,12 @@ class Engine:
             self.drafter.observe(rec.states, verdicts)
         steps = [RowStep(r.state.key, r.state.tokens, int(s.depth[-1]), len(acc.path) - 1, r.done)
                  for r, s, acc in zip(rec.rows, rec.shapes, rec.accepted)]
-        read = sum(len(n) for n in rec.nodes) + sum(len(c) for c in rec.chunks.values())
+        read = (sum(len(n) for n in rec.nodes) + sum(len(c) for c in rec.chunks.values())
+                + sum(len(c) for c in rec.leads.values()))
         self.drafter.step_took(len(self.active), read, self.last_verify_s)
         self.policy.update(StepReport(len(rec.rows), rec.drafted, time.perf_counter() - rec.started,
-                                      sum(len(e) for e in rec.emitted), steps, read, len(rec.chunks)))
+                                      sum(len(e) for e in rec.emitted), steps, read, len(rec.chunks),
+                                      len(rec.leads)))
         charge(rec.rows, "draft_s", time.perf_counter() - t0)
 
     # -- leaving --------------------------------------------------------------------------------------
@@ -461,6 +474,13 @@ class Engine:
             r.hidden_log = None
         return GenerationResult(text=text, token_ids=list(new), prompt_ids=list(r.req.ids), stats=r.stats,
                                 finish_reason=r.finish, hidden_states=hidden)
+
+
+def after_lead(n: int, shape: TreeShape) -> TreeShape:
+    """A verify tree's shape behind a lead of ``n`` prompt tokens (a chain; the tree's root hangs on its last)."""
+    if not n:
+        return shape
+    return shape_of(chain(n) + tuple(n - 1 if p < 0 else n + p for p in shape.parents))
 
 
 def stop_at(tokenizer, new: list[int], n_before: int, stops: list[str]) -> int | None:

@@ -36,7 +36,8 @@ class RowStep:
 class StepReport:
     """One engine step: ``rows`` running rows took ``seconds`` and emitted ``emitted`` tokens; ``drafted``:
     whether the drafter was asked (it paid for its proposals, however many the cut kept); ``tokens``: the new
-    tokens its forward read (trees and prompt chunks); ``readers``: rows that read a prompt chunk."""
+    tokens its forward read (trees and prompt chunks); ``readers``: rows that only read a prompt chunk;
+    ``joined``: decoding rows that read the rest of their prompt before their tree (their first step)."""
 
     rows: int
     drafted: bool
@@ -45,6 +46,7 @@ class StepReport:
     row_steps: list[RowStep]
     tokens: int = 0
     readers: int = 0  # rows that read a prompt chunk in the same forward
+    joined: int = 0  # decoding rows that also read the rest of their prompt in it
 
 
 class AcceptanceBook:

@@ -116,7 +116,7 @@ def ragged_mask(lengths: list[int], W: int, tree_allowed: torch.Tensor, dtype, d
 
 @torch.inference_mode()
 def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: list[int], want_hidden: bool = False,
-                packed: bool = True, device=None, dtype=None):
+                packed: bool = True, device=None, dtype=None, skip: list[int] | None = None):
     """One forward over every cached row's verify tree: row b's ``nodes[b]`` (pending token, then drafts;
     ``shapes[b]`` its tree shape) at positions lengths[b] + depth, written at slots [W, W + N) of the cache
     (W = max(lengths), N = the largest tree), each node seeing its row's cache and its own ancestors.
@@ -126,8 +126,11 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
     the linear layers only its own nodes. Otherwise the rows are padded to N nodes with dummy nodes that
     see only themselves. Either way each row's logits equal its own forward's (the kernels are row-wise).
 
+    ``skip``: per row, its first nodes whose logits no one reads (prompt tokens read beside the trees); packed,
+    the model projects only the other nodes onto the vocabulary.
+
     Returns float32 logits [T', vocab], hidden states [T', dim] (or None) and each row's first index into
-    them (T' = T packed, B * N padded)."""
+    them past its skipped nodes (T' = T less the skipped nodes packed, B * N padded)."""
     dev = device or model.device  # (the model's properties walk its parameters: callers that know pass them)
     dtype = dtype or model.dtype
     B, N, W = len(nodes), max(s.size for s in shapes), max(lengths)
@@ -142,19 +145,18 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
         padding = torch.arange(N) >= torch.tensor(sizes)[:, None]  # [B, N]: no token sits there
         mask.masked_fill_(padding.to(dev)[:, None, :, None], torch.finfo(mask.dtype).min)  # so it sees nothing
         masks = with_window(model, mask, lambda: _ragged_query_keys(lengths, W, N, shapes))
-        offsets = torch.tensor([0] + sizes).cumsum(0).tolist()
         rows = torch.repeat_interleave(torch.arange(B), torch.tensor(sizes))
         slots = torch.cat([torch.arange(n) for n in sizes])
         ids = torch.tensor([t for row in nodes for t in row])[None]
         pos = torch.cat([lengths[b] + s.depth for b, s in enumerate(shapes)])[None]
+        keep, first = kept_nodes(sizes, skip or [0] * B)
         set_packing(cache, rows.to(dev), slots.to(dev), N)
         try:
             out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=masks,
                         **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden,
-                        **{keyword: (rows * N + slots).to(dev)})
+                        logits_to_keep=0 if keep is None else keep.to(dev), **{keyword: (rows * N + slots).to(dev)})
         finally:
             set_packing(cache)
-        first = offsets[:-1]
     else:
         ids = torch.zeros(B, N, dtype=torch.long)
         pos = torch.empty(B, N, dtype=torch.long)
@@ -165,10 +167,25 @@ def verify_rows(model, cache, nodes: list[list[int]], shapes: list, lengths: lis
         masks = with_window(model, mask, lambda: (pos, ragged_positions(lengths, W, pos)))
         out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=masks,
                     **cache_kwargs(model, cache), use_cache=True, output_hidden_states=want_hidden)
-        first = [b * N for b in range(B)]
+        keep, first = None, [b * N + (skip[b] if skip else 0) for b in range(B)]
     logits = out.logits.float().flatten(0, 1)
     hidden = features(model, out.hidden_states).flatten(0, 1) if want_hidden else None
+    if hidden is not None and keep is not None:
+        hidden = hidden[keep.to(hidden.device)]
     return logits, hidden, first
+
+
+def kept_nodes(sizes: list[int], skip: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    """A packed forward of rows of ``sizes`` nodes, each row's first ``skip`` nodes without logits: the packed
+    indices that keep theirs (None: all do), and each row's first index among the kept."""
+    if not any(skip):
+        return None, torch.tensor([0] + sizes[:-1]).cumsum(0).tolist()
+    keep, first, at = [], [], 0
+    for size, s in zip(sizes, skip):
+        first.append(len(keep))
+        keep.extend(range(at + s, at + size))
+        at += size
+    return torch.tensor(keep), first
 
 
 def _ragged_query_keys(lengths: list[int], W: int, N: int, shapes) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,7 +119,7 @@ class AutoDrafter(Drafter):
     # -- proposing --------------------------------------------------------------------------------------
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         rows = [self.rows.of(s) for s in states]
-        forward_rows = len(states) + (1 if self.beside else 0)
+        forward_rows = len(states) + self.readers
         self.step = self.packed.forward(forward_rows)
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
