@@ -19,8 +19,9 @@ the rows' nodes go through the model packed, as one sequence of sum-of-tree-size
 linear layers for its own nodes only; elsewhere each tree is padded to N with dummy nodes. Position ids are
 per row: L_b + depth. After acceptance each row moves its own accepted path from W + path to L_b + i and
 L_b grows by the path length. Rows that finish (EOS, token budget, stop string, cancellation) leave the
-cache at once; a waiting request takes a free row at the next step: it is prefilled on its own and joins
-that step. The caches are allocated once, for ``rows`` rows of ``capacity`` slots, and reused. With a
+cache at once; a waiting request takes a free row at the next step and reads its prompt: whole, on its
+own, where no row decodes; else a chunk a step inside the decoding forwards, the last chunk as the lead of
+its first verify tree. The caches are allocated once, for ``rows`` rows of ``capacity`` slots, and reused. With a
 prefix pool (hydraspec.prefix_pool) a joining row first takes the longest cached prefix of its prompt and
 reads only the rest; a leaving row leaves its tokens there.
 
