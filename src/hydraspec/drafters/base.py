@@ -58,8 +58,9 @@ class Drafter:
     to nothing (no model forward), so a load rule may let it always propose. paced: it sizes its proposals
     by their measured cost itself, so no load rule cuts them. beside: prompt tokens that joining rows read in
     the same forward as the proposals (set by the engine before each ``propose``; a paced drafter counts them
-    in the step's cost); readers: the rows among them that only read (do not decode). limit: the most nodes a row's proposal keeps this step (set by the engine with
-    ``beside``; None: no limit), what a paced drafter weighs its choices on."""
+    in the step's cost); readers: the rows among them that only read (do not decode). limit: the most nodes a
+    row's proposal keeps this step (set by the engine with ``beside``; None: no limit), what a paced drafter
+    weighs its choices on."""
 
     name = "ar"
     needs_hidden = False
