@@ -180,16 +180,4 @@ def test_a_lone_row_is_bounded_on_its_own_curve():
     assert cap.room(1) < alone and cap.limit(1) == alone and cap.limit(1, extra=1) < alone
 
 
-def test_a_prompt_chunk_does_not_start_a_pass_over_the_weights_it_cannot_fill():
-    """With kernels that take 6 rows a pass, a chunk that would spill a token or two into a new pass is cut back
-    to fill the last whole one; a chunk within one pass, or filling one, is kept; one token always goes in."""
-    from hydraspec.policy import DraftPolicy, LatencyCap, whole_passes
-
-    assert [whole_passes(1, n, 6) for n in (3, 5, 6, 7, 11, 12)] == [3, 5, 5, 5, 11, 11]
-    assert [whole_passes(7, n, 6) for n in (3, 5, 8)] == [3, 5, 5] and whole_passes(6, 1, 6) == 1
-    assert whole_passes(1, 7, None) == 7
-    cap = LatencyCap(DraftPolicy(), lambda n: 1.0 + 0.08 * (n - 1), 2.0, block=6)
-    assert cap.room(1) == 8 and cap.prefill(1, 64) == 5 and cap.prefill(1, 4) == 4
-
-
 PROMPTS_REPEAT = [5, 6, 7, 8, 9] * 6

@@ -168,10 +168,7 @@ class LatencyCap(DraftPolicy):
         self.packed.learn(rows, tokens, seconds)
 
     def prefill(self, rows: int, chunk: int) -> int:
-        """The room's chunk, cut back to fill the kernels' last whole pass over the weights where it would
-        start a new one it cannot fill: the first tokens of a pass cost the most."""
-        n = min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))
-        return whole_passes(max(rows, 1), n, self.packed.block)
+        return min(self.inner.prefill(rows, chunk), max(1, self.room(rows)))
 
     def limit(self, rows: int, extra: int = 0) -> int | None:
         cap = max(0, self.room(rows, alone=not extra) - extra) // max(rows, 1)
@@ -184,12 +181,3 @@ class LatencyCap(DraftPolicy):
     def update(self, report: StepReport) -> None:
         self.learn(report.rows + report.readers, report.tokens, report.seconds)
         self.inner.update(report)
-
-
-def whole_passes(rows: int, n: int, block: int | None) -> int:
-    """Of ``n`` prompt tokens read beside ``rows`` decoding tokens, the most that do not start a pass of the
-    kernels (``block`` rows a pass) they leave unfilled: n itself where it starts none or fills it."""
-    if not block:
-        return n
-    full = (rows + n) // block * block - rows
-    return full if full >= 1 else n
