@@ -272,6 +272,15 @@ def test_tree_forward_and_compaction_match_sequential(family, attn, seed):
         torch.testing.assert_close(lg[-1], tiny.full_logits(model, seq + [nxt])[-1], atol=1e-4, rtol=1e-4)
 
 
+def rows_holding(model, prefixes: list[list[int]]):
+    """A 64-slot cache with one row per prefix, each prefilled."""
+    cache = new_cache(model, 64)
+    allocate_rows(cache, model, len(prefixes))
+    prefill_rows(model, cache, 0, prefixes)
+    use_rows(cache, 0, len(prefixes))
+    return cache
+
+
 @pytest.mark.parametrize("family,seed", [("qwen2", 6), ("gemma", 7)])
 def test_packed_verify_equals_each_rows_own_forward(family, seed):
     """verify_rows packed (every row's tree in one sequence, as the engine runs on the backend's attention):
@@ -284,10 +293,7 @@ def test_packed_verify_equals_each_rows_own_forward(family, seed):
     prefixes = [[rng.randrange(V) for _ in range(n)] for n in (3, 11, 1, 7)]
     results = {}
     for packed in (True, False):
-        cache = new_cache(model, 64)
-        allocate_rows(cache, model, len(prefixes))
-        prefill_rows(model, cache, 0, prefixes)
-        use_rows(cache, 0, len(prefixes))
+        cache = rows_holding(model, prefixes)
         rng2 = random.Random(seed + 1)
         nodes, shapes = [], []
         for b in range(len(prefixes)):
@@ -661,10 +667,7 @@ def test_verify_skips_the_logits_of_nodes_no_one_reads(packed):
     skip = [0, 5, 1]  # a tree, a prompt chunk (no logits at all), a lead of one prompt token before a tree
     out = {}
     for s in (None, skip):
-        cache = new_cache(model, 64)
-        allocate_rows(cache, model, len(prefixes))
-        prefill_rows(model, cache, 0, prefixes)
-        use_rows(cache, 0, len(prefixes))
+        cache = rows_holding(model, prefixes)
         spy = []
         hook = model.lm_head.register_forward_pre_hook(lambda m, a: spy.append(a[0].shape[-2]))
         try:

@@ -45,7 +45,7 @@ from .policy import DraftPolicy, RowStep, StepReport
 from .prefix_pool import PrefixPool
 from .results import GenerationResult, Stats
 from .sampling import Sampling
-from .tree import DraftTree, TreeShape, chain, shape_of
+from .tree import DraftTree, TreeShape, after_lead, chain, shape_of
 from .verify import can_pack, verify_rows
 
 __all__ = ["Request", "Engine", "cancelled_result", "stop_at", "trim_after_stop"]
@@ -121,6 +121,11 @@ class StepRecord:
     @property
     def states(self) -> list[DecodeState]:
         return [r.state for r in self.rows]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the step's forward reads beside the trees (chunks and leads)."""
+        return sum(len(c) for c in self.chunks.values()) + sum(len(c) for c in self.leads.values())
 
 
 def charge(rows: list[_Row], what: str, seconds: float, share: bool = True) -> None:
@@ -307,7 +312,7 @@ class Engine:
         """Each row's draft tree: the drafter's proposal within the policy's limit and the row's token budget,
         then cut by the policy."""
         t0 = time.perf_counter()
-        extra = sum(len(c) for c in rec.chunks.values()) + sum(len(c) for c in rec.leads.values())
+        extra = rec.prompt_tokens
         limit = self.policy.limit(len(rec.rows), extra)
         rec.drafted = limit != 0
         self.drafter.beside, self.drafter.readers, self.drafter.limit = extra, len(rec.chunks), limit
@@ -413,8 +418,7 @@ class Engine:
             self.drafter.observe(rec.states, verdicts)
         steps = [RowStep(r.state.key, r.state.tokens, int(s.depth[-1]), len(acc.path) - 1, r.done)
                  for r, s, acc in zip(rec.rows, rec.shapes, rec.accepted)]
-        read = (sum(len(n) for n in rec.nodes) + sum(len(c) for c in rec.chunks.values())
-                + sum(len(c) for c in rec.leads.values()))
+        read = sum(len(n) for n in rec.nodes) + rec.prompt_tokens
         self.drafter.step_took(len(self.active), read, self.last_verify_s)
         self.policy.update(StepReport(len(rec.rows), rec.drafted, time.perf_counter() - rec.started,
                                       sum(len(e) for e in rec.emitted), steps, read, len(rec.chunks),
@@ -475,13 +479,6 @@ class Engine:
             r.hidden_log = None
         return GenerationResult(text=text, token_ids=list(new), prompt_ids=list(r.req.ids), stats=r.stats,
                                 finish_reason=r.finish, hidden_states=hidden)
-
-
-def after_lead(n: int, shape: TreeShape) -> TreeShape:
-    """A verify tree's shape behind a lead of ``n`` prompt tokens (a chain; the tree's root hangs on its last)."""
-    if not n:
-        return shape
-    return shape_of(chain(n) + tuple(n - 1 if p < 0 else n + p for p in shape.parents))
 
 
 def stop_at(tokenizer, new: list[int], n_before: int, stops: list[str]) -> int | None:

@@ -72,6 +72,13 @@ def chain(n: int) -> tuple[int, ...]:
     return tuple(range(-1, n - 1))
 
 
+def after_lead(n: int, shape: TreeShape) -> TreeShape:
+    """A verify tree's shape behind a lead of ``n`` tokens (a chain; the tree's root hangs on its last)."""
+    if not n:
+        return shape
+    return shape_of(chain(n) + tuple(n - 1 if p < 0 else n + p for p in shape.parents))
+
+
 @dataclass
 class DraftTree:
     """What a drafter proposes: draft tokens hanging under the pending (last accepted) token.
