@@ -457,6 +457,33 @@ def test_bench_serve_multi_turn_resends_the_conversation_with_the_servers_answer
     assert "later turns' TTFT" in table([r], "x")
 
 
+def test_bench_serve_pools_rounds_of_a_level(tmp_path):
+    """With --pool a level run again counts the requests of both runs: tokens and wall time summed, every
+    request's timings in the percentiles; without it the new run replaces the stored one."""
+    import json
+
+    from hydraspec.bench.serve_load import summarize
+    from hydraspec.cli import make_parser
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [p]}) + "\n"
+                               for i, p in enumerate(PROMPTS[:3])))
+    out = tmp_path / "out"
+    with server("pld", max_batch=2) as (base, _):
+        for extra in ([], ["--pool"], []):
+            args = make_parser().parse_args(["bench-serve", "--url", base, "--model", "tiny", "--prompts",
+                                             str(prompts), "--concurrency", "2", "--max-tokens", "6",
+                                             "--label", "x", "--out", str(out), *extra])
+            args.func(args)
+            rows = json.loads((out / "serve_results.json").read_text())["x"]
+            kept = json.loads((out / "serve_samples.json").read_text())["x"]["2"]
+            if extra:
+                pooled = rows
+    assert pooled[0]["requests"] == 6 and pooled[0]["tokens"] == 36 and pooled[0]["rounds"] == 2
+    assert rows[0]["requests"] == 3 and rows[0]["rounds"] == 1 and kept["rounds"] == 1  # not pooled: replaced
+    assert rows[0] == {**summarize(kept["results"], 2, kept["wall_s"]), "rounds": 1}
+
+
 def test_bench_serve_keeps_levels_measured_on_other_server_starts(tmp_path):
     """A level measured again replaces the stored one; the others stay, in client order, open loop last."""
     from hydraspec.bench.serve_load import merge_levels

@@ -9,6 +9,11 @@ so far with the server's own answers, as chat clients do; the time to first toke
 reported apart (what a prefix cache shortens). ``--reset`` starts each level cold on a server that can drop
 its cache on request (hydraspec serve, vLLM: ``POST /reset_prefix_cache``). Tokens are counted from the final ``usage`` when the server
 sends it (``stream_options.include_usage``), else one per content chunk.
+
+Every request's timings are kept beside the results (``serve_samples.json``), so that with ``--pool`` a level run
+again is pooled with the earlier runs of that label: throughput over their summed tokens and wall time, the
+percentiles over all their requests. On a machine whose speed drifts over minutes, servers compared in rounds
+of alternating order (A B, then B A) and pooled see the same drift on average.
 """
 from __future__ import annotations
 
@@ -112,9 +117,10 @@ class Outcomes:
         return True
 
     def summary(self, concurrency, wall: float) -> dict:
+        """The run's summary row (:func:`summarize`), its requests' results under ``samples``."""
         if self.errors:
             raise HydraspecError(self.errors[0])
-        return summarize(self.results, concurrency, wall)
+        return {**summarize(self.results, concurrency, wall), "samples": self.results}
 
 
 def run_level(url, model, convs: list[list[str]], concurrency, max_tokens, api_key=None, timeout=600.0) -> dict:
@@ -168,6 +174,17 @@ def summarize(results: list[dict], concurrency, wall: float) -> dict:
         row["later_ttft_p50_s"] = round(_percentile(later, 50), 4)
         row["later_ttft_p99_s"] = round(_percentile(later, 99), 4)
     return row
+
+
+def pool(earlier: dict | None, row: dict) -> tuple[dict, dict]:
+    """A level's run (a summary row with its ``samples``) pooled with ``earlier`` runs of it ({"results",
+    "wall_s", "rounds"}, or None): the pooled summary row (with ``rounds``) and what to keep for the next."""
+    results = [{k: r[k] for k in ("tokens", "ttft_s", "itl_s", "turn") if k in r} for r in row["samples"]]
+    wall, rounds = row["wall_s"], 1
+    if earlier:
+        results, wall, rounds = earlier["results"] + results, earlier["wall_s"] + wall, earlier["rounds"] + 1
+    return ({**summarize(results, row["concurrency"], wall), "rounds": rounds},
+            {"results": results, "wall_s": wall, "rounds": rounds})
 
 
 def table(rows: list[dict], label: str) -> str:
@@ -235,15 +252,18 @@ def run_bench_serve(args) -> int:
         raise HydraspecError(f"--rate takes a positive number of conversations per second, got {args.rate}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store = out / "serve_results.json"
+    store, kept = out / "serve_results.json", out / "serve_samples.json"
     runs = json.loads(store.read_text()) if store.exists() else {}
+    samples = json.loads(kept.read_text()) if kept.exists() else {}
     label = args.label or args.url
-    rows = []
+    rows, mine = [], samples.setdefault(label, {})
     for n in levels if args.rate is None else [args.rate]:
         if args.reset:
             reset_cache(args.url, args.api_key)
         r = run_level(args.url, args.model, prompts, n, args.max_tokens, args.api_key) if args.rate is None else \
             run_open(args.url, args.model, prompts, args.rate, args.max_tokens, args.api_key)
+        r, mine[str(r["concurrency"])] = pool(mine.get(str(r["concurrency"])) if args.pool else None, r)
+        kept.write_text(json.dumps(samples))
         rows.append(r)
         print(f"[{label}] concurrency {r['concurrency']}: {r['tokens_per_s']:.2f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
               f"ITL p50 {r['itl_p50_ms']:.1f} ms", flush=True)
@@ -275,5 +295,9 @@ def add_parser(subparsers) -> None:
                         "(POST /reset_prefix_cache), so prompts seen at an earlier level are read cold again")
     p.add_argument("--api-key", default=None)
     p.add_argument("--label", default=None, help="name of this server's runs in the results (default: the URL)")
+    p.add_argument("--pool", action="store_true",
+                   help="pool each level with the earlier runs of this label in --out (throughput over their summed "
+                        "tokens and time, percentiles over all their requests): rounds of servers in alternating "
+                        "order see a drifting machine alike")
     p.add_argument("--out", required=True, help="directory; runs of several servers accumulate there")
     p.set_defaults(func=run_bench_serve)
