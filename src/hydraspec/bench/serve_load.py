@@ -178,13 +178,14 @@ def summarize(results: list[dict], concurrency, wall: float) -> dict:
 
 def pool(earlier: dict | None, row: dict) -> tuple[dict, dict]:
     """A level's run (a summary row with its ``samples``) pooled with ``earlier`` runs of it ({"results",
-    "wall_s", "rounds"}, or None): the pooled summary row (with ``rounds``) and what to keep for the next."""
+    "wall_s", "each"}, or None): the pooled summary row (with ``rounds`` and each round's own tokens per second,
+    ``round_tokens_per_s``) and what to keep for the next."""
     results = [{k: r[k] for k in ("tokens", "ttft_s", "itl_s", "turn") if k in r} for r in row["samples"]]
-    wall, rounds = row["wall_s"], 1
+    wall, each = row["wall_s"], [row["tokens_per_s"]]
     if earlier:
-        results, wall, rounds = earlier["results"] + results, earlier["wall_s"] + wall, earlier["rounds"] + 1
-    return ({**summarize(results, row["concurrency"], wall), "rounds": rounds},
-            {"results": results, "wall_s": wall, "rounds": rounds})
+        results, wall, each = earlier["results"] + results, earlier["wall_s"] + wall, earlier["each"] + each
+    return ({**summarize(results, row["concurrency"], wall), "rounds": len(each), "round_tokens_per_s": each},
+            {"results": results, "wall_s": wall, "each": each})
 
 
 def table(rows: list[dict], label: str) -> str:
@@ -265,8 +266,9 @@ def run_bench_serve(args) -> int:
         r, mine[str(r["concurrency"])] = pool(mine.get(str(r["concurrency"])) if args.pool else None, r)
         kept.write_text(json.dumps(samples))
         rows.append(r)
-        print(f"[{label}] concurrency {r['concurrency']}: {r['tokens_per_s']:.2f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s, "
-              f"ITL p50 {r['itl_p50_ms']:.1f} ms", flush=True)
+        rounds = f" (pooled over {r['rounds']} rounds; this one {r['round_tokens_per_s'][-1]:.2f})" if r["rounds"] > 1 else ""
+        print(f"[{label}] concurrency {r['concurrency']}: {r['tokens_per_s']:.2f} tokens/s{rounds}, TTFT p50 "
+              f"{r['ttft_p50_s']:.2f} s, ITL p50 {r['itl_p50_ms']:.1f} ms", flush=True)
     runs[label] = merge_levels(runs.get(label, []), rows)
     store.write_text(json.dumps(runs, indent=1))
     (out / "serve_results.md").write_text("\n\n".join(table(v, k) for k, v in runs.items()) + "\n")
