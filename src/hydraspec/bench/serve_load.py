@@ -178,13 +178,15 @@ def summarize(results: list[dict], concurrency, wall: float) -> dict:
 
 def pool(earlier: dict | None, row: dict) -> tuple[dict, dict]:
     """A level's run (a summary row with its ``samples``) pooled with ``earlier`` runs of it ({"results",
-    "wall_s", "each"}, or None): the pooled summary row (with ``rounds`` and each round's own tokens per second,
-    ``round_tokens_per_s``) and what to keep for the next."""
+    "wall_s", "each"}, or None): the pooled summary row and what to keep for the next. The row also gives
+    ``rounds`` and each round's own tokens per second and inter-token p99 / p50 (``round_tokens_per_s``,
+    ``round_itl_p99_p50``): pooled, a round on a slower machine puts the p50 and the p99 in different rounds."""
     results = [{k: r[k] for k in ("tokens", "ttft_s", "itl_s", "turn") if k in r} for r in row["samples"]]
-    wall, each = row["wall_s"], [row["tokens_per_s"]]
+    wall, each = row["wall_s"], [[row["tokens_per_s"], round(row["itl_p99_ms"] / max(row["itl_p50_ms"], 1e-9), 3)]]
     if earlier:
         results, wall, each = earlier["results"] + results, earlier["wall_s"] + wall, earlier["each"] + each
-    return ({**summarize(results, row["concurrency"], wall), "rounds": len(each), "round_tokens_per_s": each},
+    return ({**summarize(results, row["concurrency"], wall), "rounds": len(each),
+             "round_tokens_per_s": [e[0] for e in each], "round_itl_p99_p50": [e[1] for e in each]},
             {"results": results, "wall_s": wall, "each": each})
 
 
