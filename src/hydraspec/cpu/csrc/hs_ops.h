@@ -309,6 +309,8 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
 }
 HS_ATTN_BLOCK(attn_block4_f32, ld8_f32, 4)
 HS_ATTN_BLOCK(attn_block4_bf16, ld8_bf16, 4)
+HS_ATTN_BLOCK(attn_block6_f32, ld8_f32, 6)
+HS_ATTN_BLOCK(attn_block6_bf16, ld8_bf16, 6)
 HS_ATTN_BLOCK(attn_block8_f32, ld8_f32, 8)
 HS_ATTN_BLOCK(attn_block8_bf16, ld8_bf16, 8)
 
@@ -363,7 +365,8 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
             typedef void (*blockfn)(const void* const*, const void* const*, int, int, const void*, int64_t,
                                     const void*, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*,
                                     int32_t*);
-            const blockfn run = nr <= 4 ? (bf16 ? attn_block4_bf16 : attn_block4_f32)
+            const blockfn run = nr <= 4 ? (bf16 ? attn_block4_bf16 : attn_block4_f32)  /* the fewest rows that fit */
+                              : nr <= 6 ? (bf16 ? attn_block6_bf16 : attn_block6_f32)
                                         : (bf16 ? attn_block8_bf16 : attn_block8_f32);
             run(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], hi - lo, D, DV, scale, qf, s, o, live);
             for (int r = 0; r < nr; r++) {
