@@ -261,6 +261,15 @@ def _report(run: _Run, res: dict, kind: str, t0: float, t_data: float) -> None:
 def run_heads_job(job: HeadsJob) -> int:
     """Generate the data and train the heads as ``job`` asks; 0 when done (raises HydraspecError)."""
     run = _Run(job, reuse=job.reuse(), text_only=job.text_only())
+    try:
+        return _run_job(run)
+    finally:  # under accelerate launch, gloo's threads end before the process does (else it may abort at exit)
+        if run.state is not None:
+            run.state.destroy_process_group()
+
+
+def _run_job(run: _Run) -> int:
+    job = run.job
     _check(run)
     _start(run)
     _say_data(run)
