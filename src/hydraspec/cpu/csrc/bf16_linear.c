@@ -166,6 +166,8 @@ int hs_linear_i8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, co
    row's result never depends on the rows beside it.
    wq: [ceil(out/32)][in4][32][4] int8 (in4 = ceil(in/4), zero padded); scale: [out] fp32 (per output). */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+/* acc += u8 x s8 dot products in place: GCC 12 otherwise copies every accumulator in and out of the loop */
+#define DPBUSD(acc, u, s) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
 #define DEFVN(N) \
 VNNI static void vn_##N(const int32_t* xq, int64_t in4, const int8_t* wb, const int32_t* wsum, const float* sx, \
                         const float* scale, uint16_t* y, int64_t out, int64_t o0, int64_t width, const float* bias) { \
@@ -174,7 +176,7 @@ VNNI static void vn_##N(const int32_t* xq, int64_t in4, const int8_t* wb, const 
     for (int64_t p = 0; p < in4; p++) { \
         __m512i w0 = _mm512_loadu_si512(wb + p * 4 * OB), w1 = _mm512_loadu_si512(wb + p * 4 * OB + 64); \
         _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
-            a0[j] = _mm512_dpbusd_epi32(a0[j], xv, w0); a1[j] = _mm512_dpbusd_epi32(a1[j], xv, w1); } \
+            DPBUSD(a0[j], xv, w0); DPBUSD(a1[j], xv, w1); } \
     } \
     int32_t buf[OB]; \
     _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
@@ -231,7 +233,7 @@ VNNI static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64
             __m512i v = _mm512_loadu_si512(wb + p * 64); \
             __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo); \
             _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
-                a0[j] = _mm512_dpbusd_epi32(a0[j], w0, xv); a1[j] = _mm512_dpbusd_epi32(a1[j], w1, xv); } \
+                DPBUSD(a0[j], w0, xv); DPBUSD(a1[j], w1, xv); } \
         } \
         __m512 s0 = _mm512_loadu_ps(sb + g * OB), s1 = _mm512_loadu_ps(sb + g * OB + 16); \
         _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
@@ -295,7 +297,7 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
                     w1 = _mm512_or_si512(w1, _mm512_and_si512(hv, top)); } } \
             else { w0 = _mm512_loadu_si512(wb + p * 128); w1 = _mm512_loadu_si512(wb + p * 128 + 64); } \
             _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
-                a0[j] = _mm512_dpbusd_epi32(a0[j], w0, xv); a1[j] = _mm512_dpbusd_epi32(a1[j], w1, xv); } \
+                DPBUSD(a0[j], w0, xv); DPBUSD(a1[j], w1, xv); } \
         } \
         __m512 s0, s1, m0 = _mm512_setzero_ps(), m1 = m0; \
         if (two) { \
