@@ -76,7 +76,7 @@ def rows_per_pass() -> int | None:
     lib = _gguf_lib()
     if lib is None:
         return None
-    return 4 if "avx2_linear" in str(getattr(lib, "_name", "")) else 6
+    return 4 if "avx2_linear" in str(getattr(lib, "_name", "")) else 12
 
 
 class _GGUFCall(ctypes.Structure):

@@ -271,7 +271,7 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
    inputs, vpdpbusd sums code * x exactly in int32 (codes are its unsigned operand, activations the signed
    one); the group's sum is then scaled, zero point or min taken out, and added to an fp32 total in group
    order. */
-#define NBG 6
+#define NBG 12
 #define DEFG(N, B, M) \
 VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0) { \
     int64_t in4 = c->in / 4, g4 = c->G / 4, ng = c->in / c->G, o0 = b * OB; \
@@ -280,10 +280,10 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
     __m512 d0 = _mm512_setzero_ps(), d1 = d0, dm0 = d0, dm1 = d0; \
     const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30); \
     __m512 f0[N], f1[N]; \
-    _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
+    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
     for (int64_t g = 0; g < ng; g++) { \
         __m512i a0[N], a1[N]; \
-        _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
+        _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
         for (int64_t p = g * g4; p < (g + 1) * g4; p++) { \
             __m512i w0, w1; \
             _mm_prefetch((const char*)(wb + p * (B == 8 ? 128 : 64) + PF_AHEAD), _MM_HINT_T0); \
@@ -296,7 +296,7 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
                     w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top)); \
                     w1 = _mm512_or_si512(w1, _mm512_and_si512(hv, top)); } } \
             else { w0 = _mm512_loadu_si512(wb + p * 128); w1 = _mm512_loadu_si512(wb + p * 128 + 64); } \
-            _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
+            _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
                 DPBUSD(a0[j], w0, xv); DPBUSD(a1[j], w1, xv); } \
         } \
         __m512 s0, s1, m0 = _mm512_setzero_ps(), m1 = m0; \
@@ -311,12 +311,12 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
             if (M) { m0 = _mm512_loadu_ps(mb + g * OB); m1 = _mm512_loadu_ps(mb + g * OB + 16); } \
         } \
         if (M) { \
-            _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+            _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
                 __m512 sv = _mm512_set1_ps(sx[g * N + j]), mv = _mm512_set1_ps(mxs[g * N + j]); \
                 f0[j] = _mm512_fnmadd_ps(m0, mv, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0[j]), s0), sv, f0[j])); \
                 f1[j] = _mm512_fnmadd_ps(m1, mv, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1[j]), s1), sv, f1[j])); } \
         } else { \
-            _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+            _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
                 __m512 sv = _mm512_set1_ps(sx[g * N + j]); \
                 __m512i zc = _mm512_set1_epi32((int32_t)c->zero * xs[g * N + j]); \
                 f0[j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0[j], zc)), s0), sv, f0[j]); \
@@ -324,19 +324,26 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
         } \
     } \
     float buf[OB]; \
-    _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { \
+    _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { \
         _mm512_storeu_ps(buf, f0[j]); _mm512_storeu_ps(buf + 16, f1[j]); \
         gguf_store(buf, c->y + (j0 + j) * c->out + o0, o0, width, c->bias); } \
 }
-#define DEFG_ALL(B, M) DEFG(1, B, M) DEFG(2, B, M) DEFG(3, B, M) DEFG(4, B, M) DEFG(5, B, M) DEFG(6, B, M)
+#define DEFG_ALL(B, M) DEFG(1, B, M) DEFG(2, B, M) DEFG(3, B, M) DEFG(4, B, M) DEFG(5, B, M) DEFG(6, B, M) \
+    DEFG(7, B, M) DEFG(8, B, M) DEFG(9, B, M) DEFG(10, B, M) DEFG(11, B, M) DEFG(12, B, M)
 DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(6, 0) DEFG_ALL(6, 1) DEFG_ALL(8, 0) DEFG_ALL(8, 1)
 typedef void (*gfn)(const gguf_call*, const gguf_rows*, int64_t, int64_t);
-static const gfn G40[NBG + 1] = {0, g40_1, g40_2, g40_3, g40_4, g40_5, g40_6};
-static const gfn G41[NBG + 1] = {0, g41_1, g41_2, g41_3, g41_4, g41_5, g41_6};
-static const gfn G60[NBG + 1] = {0, g60_1, g60_2, g60_3, g60_4, g60_5, g60_6};
-static const gfn G61[NBG + 1] = {0, g61_1, g61_2, g61_3, g61_4, g61_5, g61_6};
-static const gfn G80[NBG + 1] = {0, g80_1, g80_2, g80_3, g80_4, g80_5, g80_6};
-static const gfn G81[NBG + 1] = {0, g81_1, g81_2, g81_3, g81_4, g81_5, g81_6};
+static const gfn G40[NBG + 1] = {0, g40_1, g40_2, g40_3, g40_4, g40_5, g40_6,
+                                  g40_7, g40_8, g40_9, g40_10, g40_11, g40_12};
+static const gfn G41[NBG + 1] = {0, g41_1, g41_2, g41_3, g41_4, g41_5, g41_6,
+                                  g41_7, g41_8, g41_9, g41_10, g41_11, g41_12};
+static const gfn G60[NBG + 1] = {0, g60_1, g60_2, g60_3, g60_4, g60_5, g60_6,
+                                  g60_7, g60_8, g60_9, g60_10, g60_11, g60_12};
+static const gfn G61[NBG + 1] = {0, g61_1, g61_2, g61_3, g61_4, g61_5, g61_6,
+                                  g61_7, g61_8, g61_9, g61_10, g61_11, g61_12};
+static const gfn G80[NBG + 1] = {0, g80_1, g80_2, g80_3, g80_4, g80_5, g80_6,
+                                  g80_7, g80_8, g80_9, g80_10, g80_11, g80_12};
+static const gfn G81[NBG + 1] = {0, g81_1, g81_2, g81_3, g81_4, g81_5, g81_6,
+                                  g81_7, g81_8, g81_9, g81_10, g81_11, g81_12};
 
 static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr) {
     int m = c->mn != NULL || c->dmin != NULL;

@@ -68,28 +68,39 @@ static inline float quantize_group(const uint16_t* x, int64_t G, int8_t* codes, 
     return s;
 }
 
-/* x [n, in] bf16 (in a multiple of G, G a multiple of 4) -> row blocks of nb rows. 0, or -1 out of memory. */
+/* n rows in ceil(n / nb) blocks of near-equal size (9 rows by 8: 5 + 4, not 8 + 1): block rb's first row and
+   size. A row's arithmetic does not depend on its block. */
+static inline void row_block(int64_t n, int64_t nb, int64_t rb, int64_t* first, int64_t* size) {
+    int64_t nrb = (n + nb - 1) / nb, base = n / nrb, extra = n % nrb;
+    *size = base + (rb < extra);
+    *first = rb * base + (rb < extra ? rb : extra);
+}
+
+/* x [n, in] bf16 (in a multiple of G, G a multiple of 4) -> the row blocks of row_block, each row's codes
+   interleaved by 4 inputs within its block. 0, or -1 out of memory. */
 static int make_gguf_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t G, int64_t nb, gguf_rows* r) {
-    int64_t nrb = (n + nb - 1) / nb, in4 = in / 4, ng = in / G, cap = nrb * nb;
-    r->xq = (int32_t*)malloc((size_t)(cap * in4) * sizeof(int32_t));
-    r->sx = (float*)malloc((size_t)(cap * ng) * sizeof(float));
-    r->xs = (int32_t*)malloc((size_t)(cap * ng) * sizeof(int32_t));
-    r->mxs = (float*)malloc((size_t)(cap * ng) * sizeof(float));
+    int64_t nrb = (n + nb - 1) / nb, in4 = in / 4, ng = in / G;
+    r->xq = (int32_t*)malloc((size_t)(n * in4) * sizeof(int32_t));
+    r->sx = (float*)malloc((size_t)(n * ng) * sizeof(float));
+    r->xs = (int32_t*)malloc((size_t)(n * ng) * sizeof(int32_t));
+    r->mxs = (float*)malloc((size_t)(n * ng) * sizeof(float));
     int8_t* codes = (int8_t*)malloc((size_t)in);
     if (!r->xq || !r->sx || !r->xs || !r->mxs || !codes) { free_gguf_rows(r); free(codes); return -1; }
-    for (int64_t row = 0; row < n; row++) {
-        const uint16_t* x = xb + row * in;
-        int64_t rb = row / nb, j = row % nb, nr = n - rb * nb < nb ? n - rb * nb : nb;
-        for (int64_t g = 0; g < ng; g++) {
-            int32_t sum;
-            float s = quantize_group(x + g * G, G, codes + g * G, &sum);
-            int64_t at = rb * nb * ng + g * nr + j;
-            r->sx[at] = s;
-            r->xs[at] = sum;
-            r->mxs[at] = s * (float)sum;
+    for (int64_t rb = 0, first, nr; rb < nrb; rb++) {
+        row_block(n, nb, rb, &first, &nr);
+        for (int64_t j = 0; j < nr; j++) {
+            const uint16_t* x = xb + (first + j) * in;
+            for (int64_t g = 0; g < ng; g++) {
+                int32_t sum;
+                float s = quantize_group(x + g * G, G, codes + g * G, &sum);
+                int64_t at = first * ng + g * nr + j;
+                r->sx[at] = s;
+                r->xs[at] = sum;
+                r->mxs[at] = s * (float)sum;
+            }
+            if (nr == 1) memcpy(r->xq + first * in4, codes, (size_t)in);
+            else for (int64_t p = 0; p < in4; p++) memcpy(r->xq + first * in4 + p * nr + j, codes + 4 * p, 4);
         }
-        if (nr == 1) memcpy(r->xq + rb * nb * in4, codes, (size_t)in);
-        else for (int64_t p = 0; p < in4; p++) memcpy(r->xq + rb * nb * in4 + p * nr + j, codes + 4 * p, 4);
     }
     free(codes);
     return 0;
@@ -110,7 +121,7 @@ typedef struct {
     const float* bias;
 } gguf_call;
 
-/* rows j0 .. j0+nr-1 x weight block b; the rows' data start at row block j0/nb */
+/* rows j0 .. j0+nr-1 (one block of row_block) x weight block b */
 typedef void (*gguf_tile)(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr);
 
 static int run_gguf(const uint16_t* xb, int64_t n, int64_t nb, const gguf_call* c, gguf_tile tile, int nthreads) {
@@ -120,7 +131,10 @@ static int run_gguf(const uint16_t* xb, int64_t n, int64_t nb, const gguf_call* 
     hs_schedule(nblk, nthreads);
     #pragma omp parallel for schedule(runtime) num_threads(nthreads)
     for (int64_t b = 0; b < nblk; b++)
-        for (int64_t r = 0; r < nrb; r++) tile(c, &q, b, r * nb, n - r * nb < nb ? n - r * nb : nb);
+        for (int64_t r = 0, first, nr; r < nrb; r++) {
+            row_block(n, nb, r, &first, &nr);
+            tile(c, &q, b, first, nr);
+        }
     free_gguf_rows(&q);
     return 0;
 }
