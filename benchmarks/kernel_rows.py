@@ -5,8 +5,15 @@ and the cost of each row past the first. The weights (7-10 MB) come from L3, so 
 measures the arithmetic. With --from-memory each call goes to the next of 24 copies of the weight (170-240 MB),
 so that the weights stream from memory as in a decode step.
 
-    python benchmarks/kernel_rows.py [--rows 1,2,4,8,16] [--threads 2] [--from-memory]
+    python benchmarks/kernel_rows.py [--rows 1,2,4,8,16] [--threads 2] [--from-memory] [--against REV]
+
+--against REV: REV's kernels (its csrc/ compiled now) timed in the same process, the two alternating call by
+call set, with the ratio this / REV per row count; each row's output is checked to be the same bit for bit.
 """
+import contextlib
+import tempfile
+from pathlib import Path
+
 import argparse
 import statistics
 import time
@@ -14,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from hydraspec.cpu import kernels
 from hydraspec.cpu.gguf import GGUFLinear, QuantWeight
 
 rng = np.random.default_rng(0)
@@ -35,17 +43,28 @@ def q6_k(out: int, inp: int) -> QuantWeight:
                        rng.integers(-64, 64, size=(out, g), dtype=np.int8))
 
 
-def ms_per_call(layers: list, rows: int) -> float:
-    """Median ms of one call, the calls going round ``layers`` (copies of one weight)."""
+def ms_per_call(layers: list, rows: int, libs: dict | None = None, rounds: int = 1) -> dict:
+    """{library name: median ms of one call}, the calls going round ``layers`` (copies of one weight), the
+    libraries (None: this build alone) taking turns in each of ``rounds`` rounds."""
+    libs = libs or {"this": None}
     x = torch.randn(rows, layers[0].in_features).to(torch.bfloat16)
-    for layer in layers[:5]:
-        layer(x)
-    times = []
-    for i in range(max(40, 2 * len(layers))):
-        t = time.perf_counter()
-        layers[i % len(layers)](x)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    outs = {}
+    for name, lib in libs.items():
+        with kernels.chosen_library(lib) if lib is not None else contextlib.nullcontext():
+            outs[name] = layers[0](x)
+            for layer in layers[:5]:
+                layer(x)
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o, first) for o in outs.values()), f"{rows} rows: the builds disagree"
+    times = {name: [] for name in libs}
+    for _ in range(rounds):
+        for name, lib in libs.items():
+            with kernels.chosen_library(lib) if lib is not None else contextlib.nullcontext():
+                for i in range(max(40, 2 * len(layers)) // rounds + 1):
+                    t = time.perf_counter()
+                    layers[i % len(layers)](x)
+                    times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
 
 def main() -> None:
@@ -53,20 +72,30 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--from-memory", action="store_true", help="24 copies of each weight, called in turn")
+    ap.add_argument("--against", help="an older revision whose kernels are timed alongside")
     a = ap.parse_args()
     copies = 24 if a.from_memory else 1
     torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
+    libs = {"this": None}
+    if a.against:
+        from verify_curve import older_kernels  # beside this script
+        libs[a.against] = older_kernels(a.against, Path(tempfile.mkdtemp()))
     makers = {"Q4_K 1536 -> 8960": lambda: q4_k(8960, 1536), "Q6_K 8960 -> 1536": lambda: q6_k(1536, 8960),
               "Q4_K 8960 -> 1536": lambda: q4_k(1536, 8960)}
-    print("| weight | " + " | ".join(f"{r} rows" for r in rows) + " | each row past the first |")
-    print("|---|" + "---:|" * (len(rows) + 1))
+    print("| weight | kernels | " + " | ".join(f"{r} rows" for r in rows) + " | each row past the first |")
+    print("|---|---|" + "---:|" * (len(rows) + 1))
     with torch.inference_mode():
         for name, make in makers.items():
             layers = [GGUFLinear(make()) for _ in range(copies)]
-            ms = [ms_per_call(layers, r) for r in rows]
-            per_row = (ms[-1] - ms[0]) / (rows[-1] - rows[0])
-            print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in ms) + f" | {per_row:.3f} |")
+            ms = [ms_per_call(layers, r, libs, rounds=6 if a.against else 1) for r in rows]
+            for lib in libs:
+                v = [m[lib] for m in ms]
+                per_row = (v[-1] - v[0]) / (rows[-1] - rows[0])
+                print(f"| {name} | {lib} | " + " | ".join(f"{t:.3f}" for t in v) + f" | {per_row:.3f} |")
+            if a.against:
+                print(f"| {name} | this / {a.against} | "
+                      + " | ".join(f"{m['this'] / m[a.against]:.2f}" for m in ms) + " | |")
 
 
 if __name__ == "__main__":
