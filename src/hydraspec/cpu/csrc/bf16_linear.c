@@ -332,18 +332,11 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
     DEFG(7, B, M) DEFG(8, B, M) DEFG(9, B, M) DEFG(10, B, M) DEFG(11, B, M) DEFG(12, B, M)
 DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(6, 0) DEFG_ALL(6, 1) DEFG_ALL(8, 0) DEFG_ALL(8, 1)
 typedef void (*gfn)(const gguf_call*, const gguf_rows*, int64_t, int64_t);
-static const gfn G40[NBG + 1] = {0, g40_1, g40_2, g40_3, g40_4, g40_5, g40_6,
-                                  g40_7, g40_8, g40_9, g40_10, g40_11, g40_12};
-static const gfn G41[NBG + 1] = {0, g41_1, g41_2, g41_3, g41_4, g41_5, g41_6,
-                                  g41_7, g41_8, g41_9, g41_10, g41_11, g41_12};
-static const gfn G60[NBG + 1] = {0, g60_1, g60_2, g60_3, g60_4, g60_5, g60_6,
-                                  g60_7, g60_8, g60_9, g60_10, g60_11, g60_12};
-static const gfn G61[NBG + 1] = {0, g61_1, g61_2, g61_3, g61_4, g61_5, g61_6,
-                                  g61_7, g61_8, g61_9, g61_10, g61_11, g61_12};
-static const gfn G80[NBG + 1] = {0, g80_1, g80_2, g80_3, g80_4, g80_5, g80_6,
-                                  g80_7, g80_8, g80_9, g80_10, g80_11, g80_12};
-static const gfn G81[NBG + 1] = {0, g81_1, g81_2, g81_3, g81_4, g81_5, g81_6,
-                                  g81_7, g81_8, g81_9, g81_10, g81_11, g81_12};
+/* one table per weight form: the kernel for 1 .. NBG rows */
+#define GTAB(BM) {0, g##BM##_1, g##BM##_2, g##BM##_3, g##BM##_4, g##BM##_5, g##BM##_6, \
+                  g##BM##_7, g##BM##_8, g##BM##_9, g##BM##_10, g##BM##_11, g##BM##_12}
+static const gfn G40[NBG + 1] = GTAB(40), G41[NBG + 1] = GTAB(41), G60[NBG + 1] = GTAB(60),
+                 G61[NBG + 1] = GTAB(61), G80[NBG + 1] = GTAB(80), G81[NBG + 1] = GTAB(81);
 
 static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr) {
     int m = c->mn != NULL || c->dmin != NULL;
