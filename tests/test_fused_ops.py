@@ -97,6 +97,26 @@ def test_attention_row_depends_only_on_its_row_and_the_keys_it_sees(dtype):
         assert torch.equal(together[:, i], alone[:, 0]), f"node {i}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,n,L", [(128, 1, 513), (64, 7, 66), (24, 3, 9)])
+def test_attention_of_the_avx512_build_is_the_avx2_builds_bit_for_bit(dtype, d, n, L):
+    """The AVX-512 build takes two keys per 16-lane vector and 16 value dimensions at a time: each lane must
+    still do the 8-lane code's operations in its order (odd key counts, hidden keys, d not a multiple of 16)."""
+    if kernels.native_isa() != "avx512" or not kernels.cpu_runs("avx2"):
+        pytest.skip("needs a CPU that runs both builds")
+    g = torch.Generator().manual_seed(d + n + L)
+    q = torch.randn(1, n, 12, d, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, 2, L, d, generator=g).to(dtype)
+    v = torch.randn(1, 2, L, d, generator=g).to(dtype)
+    allowed = torch.rand(1, 1, n, L, generator=g) > 0.4
+    allowed[..., 0] = True
+    for mask in (None, allowed) if n == 1 else (allowed,):
+        wide = attend(q, k, v, mask)
+        with kernels.chosen_library(kernels.build_native("avx2")):
+            narrow = attend(q, k, v, mask)
+        assert torch.equal(wide, narrow)
+
+
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm])
 def test_fused_rmsnorm_is_the_stock_arithmetic(cls):
     g = torch.Generator().manual_seed(1)

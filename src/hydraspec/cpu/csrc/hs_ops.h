@@ -233,31 +233,89 @@ static inline float mask_scores(float* s, const void* m, int mkind, int64_t L) {
    nothing but the row and the keys it sees: not on the rows beside it, nor on hidden keys between those it
    sees. The rows' sums are interleaved, which changes no row's order of operations. D and DV are multiples
    of 8 (checked by the caller); live has room for L indices. */
+/* The AVX-512 build computes two keys' dot products in one 16-lane vector (one key a half: the q of every row
+   stored twice in qf, each 8 dims in both halves) and weighs 16 value dimensions at a time: every lane does the
+   8-lane code's operations in its order, so the results are the same bit for bit, in half the instructions.
+   PAIR_KEYS: keys j (low half) and, when pair, j + 1 (high half) against the AB rows -> acc[r][jj], [jj + 1];
+   WIDE_VALUES: o's dimensions t0 .. in steps of 16 while 16 remain (t0 is left where the 8-lane loop goes on). */
+#ifdef __AVX512F__
+#define KEYS_AT_ONCE 2
+static inline __m512 join8(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline __m256 high8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+static inline __m512 ld16_f32(const void* p, int64_t i) { return _mm512_loadu_ps((const float*)p + i); }
+static inline __m512 ld16_bf16(const void* p, int64_t i) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#define PAIR_KEYS(AB, LD8) {                                                                          \
+    __m512 a[AB];                                                                                     \
+    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) a[r] = _mm512_setzero_ps();                  \
+    const int64_t kj = j * ks, kn = pair ? kj + ks : kj;                                              \
+    for (int64_t t = 0; t < D; t += 8) {                                                              \
+        const __m512 kv = join8(LD8(k, kj + t), LD8(k, kn + t));                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                                          \
+            a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 2 * (r * D + t)), kv, a[r]);                  \
+    }                                                                                                 \
+    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) {                                            \
+        acc[r][jj] = _mm512_castps512_ps256(a[r]);                                                    \
+        if (pair) acc[r][jj + 1] = high8(a[r]);                                                       \
+    } }
+#define WIDE_VALUES(AB, LD16)                                                                         \
+    for (; t0 + 16 <= DV; t0 += 16) {                                                                 \
+        __m512 c[AB];                                                                                 \
+        _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) c[r] = _mm512_loadu_ps(o + r * DV + t0); \
+        for (int64_t i = i0; i < i1; i++) {                                                           \
+            const int64_t j = live[i];                                                                \
+            const __m512 vv = LD16(v, j * vs + t0);                                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                                      \
+                c[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r * L + j]), vv, c[r]);                       \
+        }                                                                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) _mm512_storeu_ps(o + r * DV + t0, c[r]); \
+    }
+#else
+#define KEYS_AT_ONCE 1
+#define PAIR_KEYS(AB, LD8) {                                                                          \
+    __m256 a[AB];                                                                                     \
+    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) a[r] = _mm256_setzero_ps();                  \
+    const int64_t kj = j * ks;                                                                        \
+    (void)pair;                                                                                       \
+    for (int64_t t = 0; t < D; t += 8) {                                                              \
+        const __m256 kv = LD8(k, kj + t);                                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                                          \
+            a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 2 * (r * D + t)), kv, a[r]);                  \
+    }                                                                                                 \
+    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj] = a[r]; }
+#define WIDE_VALUES(AB, LD16)
+#endif
 #define HS_ATTN_KEYS 32 /* keys per tile of the weighted sum of values */
-#define HS_ATTN_BLOCK(NAME, LD8, AB)                                                                  \
+#define HS_ATTN_BLOCK(NAME, LD8, LD16, AB)                                                                \
 static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,        \
                  int64_t ks, const void* v, int64_t vs, int64_t L, int64_t D, int64_t DV, float scale, \
                  float* qf, float* s, float* o, int32_t* live) {                                      \
     for (int r = 0; r < AB; r++)                                                                      \
-        for (int64_t t = 0; t < D; t += 8) _mm256_storeu_ps(qf + r * D + t, LD8(q[r < nr ? r : 0], t)); \
+        for (int64_t t = 0; t < D; t += 8) {                                                          \
+            const __m256 qv = LD8(q[r < nr ? r : 0], t);                                              \
+            _mm256_storeu_ps(qf + 2 * (r * D + t), qv); /* each 8 twice: one key per half (PAIR_KEYS) */ \
+            _mm256_storeu_ps(qf + 2 * (r * D + t) + 8, qv);                                           \
+        }                                                                                             \
     __m256 acc[AB][8];                                                                                \
     int hid[8];                                                                                       \
     for (int64_t j0 = 0; j0 < L; j0 += 8) {                                                           \
         const int nk = L - j0 < 8 ? (int)(L - j0) : 8;                                                \
-        for (int jj = 0; jj < nk; jj++) {                                                             \
+        for (int jj = 0; jj < nk; jj++) hid[jj] = mkind && hidden_for_all(m, nr, mkind, j0 + jj);     \
+        for (int jj = 0; jj < nk; jj += KEYS_AT_ONCE) {                                               \
             const int64_t j = j0 + jj;                                                                \
-            hid[jj] = mkind && hidden_for_all(m, nr, mkind, j);                                       \
-            __m256 a[AB];                                                                             \
-            _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) a[r] = _mm256_setzero_ps();          \
-            if (!hid[jj]) {                                                                           \
-                const int64_t kj = j * ks;                                                            \
-                for (int64_t t = 0; t < D; t += 8) {                                                  \
-                    const __m256 kv = LD8(k, kj + t);                                                 \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                              \
-                        a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + t), kv, a[r]);            \
-                }                                                                                     \
+            const int pair = KEYS_AT_ONCE == 2 && jj + 1 < nk && !hid[jj + 1];                        \
+            if (pair || !hid[jj]) {                                                                   \
+                PAIR_KEYS(AB, LD8)                                                                    \
+            } else {                                                                                  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj] = _mm256_setzero_ps(); \
             }                                                                                         \
-            _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj] = a[r];                   \
+            if (KEYS_AT_ONCE == 2 && jj + 1 < nk && !pair)                                            \
+                _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj + 1] = _mm256_setzero_ps(); \
+            for (int r = 0; r < AB; r++) if (hid[jj]) acc[r][jj] = _mm256_setzero_ps();               \
         }                                                                                             \
         for (int r = 0; r < AB; r++) {                                                                \
             float* sr = s + r * L + j0;                                                               \
@@ -289,7 +347,9 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
     memset(o, 0, (size_t)(AB * DV) * sizeof(float));                                                  \
     for (int64_t i0 = 0; i0 < nlive; i0 += HS_ATTN_KEYS) { /* a tile of values stays in L1 */          \
         const int64_t i1 = nlive - i0 < HS_ATTN_KEYS ? nlive : i0 + HS_ATTN_KEYS;                     \
-        for (int64_t t0 = 0; t0 < DV; t0 += 8) {                                                      \
+        int64_t t0 = 0;                                                                               \
+        WIDE_VALUES(AB, LD16)                                                                         \
+        for (; t0 < DV; t0 += 8) {                                                                    \
             __m256 c[AB];                                                                             \
             _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) c[r] = _mm256_loadu_ps(o + r * DV + t0); \
             for (int64_t i = i0; i < i1; i++) {                                                       \
@@ -307,12 +367,12 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
             _mm256_storeu_ps(o + r * DV + t0, _mm256_div_ps(_mm256_loadu_ps(o + r * DV + t0), dn));   \
     }                                                                                                 \
 }
-HS_ATTN_BLOCK(attn_block4_f32, ld8_f32, 4)
-HS_ATTN_BLOCK(attn_block4_bf16, ld8_bf16, 4)
-HS_ATTN_BLOCK(attn_block6_f32, ld8_f32, 6)
-HS_ATTN_BLOCK(attn_block6_bf16, ld8_bf16, 6)
-HS_ATTN_BLOCK(attn_block8_f32, ld8_f32, 8)
-HS_ATTN_BLOCK(attn_block8_bf16, ld8_bf16, 8)
+HS_ATTN_BLOCK(attn_block4_f32, ld8_f32, ld16_f32, 4)
+HS_ATTN_BLOCK(attn_block4_bf16, ld8_bf16, ld16_bf16, 4)
+HS_ATTN_BLOCK(attn_block6_f32, ld8_f32, ld16_f32, 6)
+HS_ATTN_BLOCK(attn_block6_bf16, ld8_bf16, ld16_bf16, 6)
+HS_ATTN_BLOCK(attn_block8_f32, ld8_f32, ld16_f32, 8)
+HS_ATTN_BLOCK(attn_block8_bf16, ld8_bf16, ld16_bf16, 8)
 
 /* q [B, H, N, D] with element strides qs = {b, h, n} (d contiguous); k [B, HKV, L, D] and v [B, HKV, L, DV]
    with strides ks / vs = {b, h, l}; mask [B, N, L] with strides ms = {b, n} (l contiguous), shared by
@@ -329,7 +389,7 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
     int err = 0;
     #pragma omp parallel num_threads(nthreads) if(tasks > 1)
     {
-        float* buf = (float*)malloc((size_t)(8 * (D + L + DV) + L) * sizeof(float));
+        float* buf = (float*)malloc((size_t)(8 * (2 * D + L + DV) + L) * sizeof(float));
         if (!buf) {
             #pragma omp atomic write
             err = 1;
@@ -360,8 +420,8 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
             }
             const char* kp = (const char*)k + (size_t)(b * ks[0] + kvh * ks[1] + lo * ks[2]) * es;
             const char* vp = (const char*)v + (size_t)(b * vs[0] + kvh * vs[1] + lo * vs[2]) * es;
-            float *qf = buf, *s = buf + 8 * D, *o = buf + 8 * (D + L);
-            int32_t* live = (int32_t*)(buf + 8 * (D + L + DV));
+            float *qf = buf, *s = buf + 16 * D, *o = buf + 8 * (2 * D + L);
+            int32_t* live = (int32_t*)(buf + 8 * (2 * D + L + DV));
             typedef void (*blockfn)(const void* const*, const void* const*, int, int, const void*, int64_t,
                                     const void*, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*,
                                     int32_t*);
