@@ -16,7 +16,15 @@ if [ ! -d src ]; then
   mv llama_cpp_python-"$version"/vendor/llama.cpp src
   rm -rf llama_cpp_python-"$version" sdist
 fi
-cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
+# On CPUs with AMX a -march=native build (llama.cpp's AMX code) died with a general protection fault at the
+# first batch of two or more tokens (2026-11-28, Xeon family 6 model 167): build for AVX-512 without AMX there.
+isa="-DGGML_NATIVE=ON"
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  isa="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON
+       -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON"
+fi
+# shellcheck disable=SC2086
+cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release $isa -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
   -DBUILD_SHARED_LIBS=OFF
 cmake --build build -j "$(nproc)" --target llama-completion llama-speculative-simple llama-perplexity \
