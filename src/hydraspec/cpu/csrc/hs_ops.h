@@ -227,7 +227,8 @@ static inline float mask_scores(float* s, const void* m, int mkind, int64_t L) {
 
 /* AB query rows of one kv head against its L keys (rows past nr repeat row 0 and are dropped): scores,
    softmax and the weighted values, into o[AB][DV] fp32. Each key and value vector is converted once for the
-   AB rows; a key hidden from all of them (another row's slots, padding) is not read. Every dot product runs
+   AB rows; a key hidden from all of them (another row's slots, padding) is not read, except beside a key they
+   see in the AVX-512 build's pairs (below), where its sums are dropped. Every dot product runs
    over the dimensions in 8 lanes, summed in a fixed order, and every weighted sum visits the keys in order
    (keys every row weighs exactly 0 are skipped: they would add exact zeros), so a row's result depends on
    nothing but the row and the keys it sees: not on the rows beside it, nor on hidden keys between those it
@@ -308,14 +309,9 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
         for (int jj = 0; jj < nk; jj += KEYS_AT_ONCE) {                                               \
             const int64_t j = j0 + jj;                                                                \
             const int pair = KEYS_AT_ONCE == 2 && jj + 1 < nk && !hid[jj + 1];                        \
-            if (pair || !hid[jj]) {                                                                   \
-                PAIR_KEYS(AB, LD8)                                                                    \
-            } else {                                                                                  \
-                _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj] = _mm256_setzero_ps(); \
-            }                                                                                         \
-            if (KEYS_AT_ONCE == 2 && jj + 1 < nk && !pair)                                            \
-                _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj + 1] = _mm256_setzero_ps(); \
-            for (int r = 0; r < AB; r++) if (hid[jj]) acc[r][jj] = _mm256_setzero_ps();               \
+            if (pair || !hid[jj]) PAIR_KEYS(AB, LD8)                                                  \
+            for (int u = jj; u < jj + KEYS_AT_ONCE && u < nk; u++) /* a hidden key weighs 0 */        \
+                if (hid[u]) for (int r = 0; r < AB; r++) acc[r][u] = _mm256_setzero_ps();             \
         }                                                                                             \
         for (int r = 0; r < AB; r++) {                                                                \
             float* sr = s + r * L + j0;                                                               \
