@@ -257,7 +257,7 @@ static inline __m512 ld16_bf16(const void* p, int64_t i) {
     for (int64_t t = 0; t < D; t += 8) {                                                              \
         const __m512 kv = join8(LD8(k, kj + t), LD8(k, kn + t));                                      \
         _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                                          \
-            a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 2 * (r * D + t)), kv, a[r]);                  \
+            a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(QF(r, t)), kv, a[r]);                              \
     }                                                                                                 \
     _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) {                                            \
         acc[r][jj] = _mm512_castps512_ps256(a[r]);                                                    \
@@ -285,11 +285,12 @@ static inline __m512 ld16_bf16(const void* p, int64_t i) {
     for (int64_t t = 0; t < D; t += 8) {                                                              \
         const __m256 kv = LD8(k, kj + t);                                                             \
         _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                                          \
-            a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + 2 * (r * D + t)), kv, a[r]);                  \
+            a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(QF(r, t)), kv, a[r]);                              \
     }                                                                                                 \
     _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj] = a[r]; }
 #define WIDE_VALUES(AB, LD16)
 #endif
+#define QF(r, t) (qf + KEYS_AT_ONCE * ((r) * D + (t))) /* row r's query from dim t, KEYS_AT_ONCE copies */
 #define HS_ATTN_KEYS 32 /* keys per tile of the weighted sum of values */
 #define HS_ATTN_BLOCK(NAME, LD8, LD16, AB)                                                                \
 static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,        \
@@ -298,8 +299,8 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
     for (int r = 0; r < AB; r++)                                                                      \
         for (int64_t t = 0; t < D; t += 8) {                                                          \
             const __m256 qv = LD8(q[r < nr ? r : 0], t);                                              \
-            _mm256_storeu_ps(qf + 2 * (r * D + t), qv); /* each 8 twice: one key per half (PAIR_KEYS) */ \
-            _mm256_storeu_ps(qf + 2 * (r * D + t) + 8, qv);                                           \
+            _mm256_storeu_ps(QF(r, t), qv); /* KEYS_AT_ONCE copies: one key per half (PAIR_KEYS) */   \
+            if (KEYS_AT_ONCE == 2) _mm256_storeu_ps(QF(r, t) + 8, qv);                                \
         }                                                                                             \
     __m256 acc[AB][8];                                                                                \
     int hid[8];                                                                                       \
