@@ -35,19 +35,20 @@ def plain(m, tok, prompt, n=N):
 def test_suffix_trie_counts_matches_and_speculates_by_frequency():
     trie = SuffixTrie(depth=4)
     trie.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
-    node, m = trie.match([9, 1, 2])
-    assert m == 2 and {t: trie.count[k] for t, k in trie.kids[node].items()} == {3: 2, 4: 1}
+    found = trie.matches([9, 1, 2])  # [1, 2] and [2] have continuations, longest first; [9, 1, 2] has none
+    node, m = found[0]
+    assert [n for _, n in found] == [2, 1] and m == 2 and {t: trie.count[k] for t, k in trie.kids[node].items()} == {3: 2, 4: 1}
     spec = speculate(trie, node, budget=8, min_prob=0.0)
     assert spec.tokens[:2] == [3, 4] and spec.probs[0] == pytest.approx(2 / 3) and spec.parents[:2] == [-1, -1]
     chain = speculate(trie, node, budget=8, min_prob=0.0, chain_only=True)
     assert chain.tokens[0] == 3 and all(p == i - 1 for i, p in enumerate(chain.parents))
     assert speculate(trie, node, budget=8, min_prob=0.5).tokens == [3, 1]  # 4 (1/3) left out; 3 -> 1 (2/3 * 1/1)
-    assert trie.match([7, 8])[0] is None
+    assert trie.matches([7, 8]) == []
     trie.remove([1, 2, 3, 1, 2, 4, 1, 2, 3])
     assert trie.tokens == 0 and not trie.kids[trie.ROOT]
     size = len(trie.count)
     trie.add([5, 6])  # removed nodes' ids are used again
-    assert len(trie.count) == size and trie.match([5])[1] == 1
+    assert len(trie.count) == size and trie.matches([5]) == [(trie.kids[trie.ROOT][5], 1)]
 
 
 def test_suffix_trie_extends_a_sequence_as_adding_it_whole():
@@ -71,7 +72,19 @@ def test_suffix_match_from_the_open_suffixes_equals_the_walk_from_the_root(depth
     for t in torch.randint(0, vocab, (200,), generator=g).tolist():
         seq.append(t)
         active = trie.extend(active, t)
-        assert trie.match_open(active) == trie.match(seq)
+        assert trie.matches_open(active) == trie.matches(seq)
+
+
+def test_suffix_drafting_copies_a_long_match_whole_past_the_tries_depth():
+    # the answer repeats the prompt: its longest match (depth - 1 tokens) has one level of the trie below it, so
+    # a shorter match must speculate the copy (SuffixDecoding tries every pattern length); size 2 per matched token
+    prompt = list(range(10, 40))
+    d = SuffixDrafter(max_tokens=6, alpha=2.0, depth=8)
+    for n in (3, 12, 20):
+        s = DecodeState(tokens=prompt + prompt[:n], prompt_len=len(prompt), sampling=Sampling(0.0, 0, 1.0))
+        tree = d.propose([s])[0]
+        assert tree.tokens.tolist() == prompt[n:n + 5]  # a match of 3 leaves 5 levels, the most any length gives
+        assert tree.parents == tuple(range(-1, len(tree) - 1))
 
 
 @pytest.mark.parametrize("min_n,max_n,vocab", [(1, 1, 3), (2, 3, 4), (2, 4, 20), (1, 3, 2)])
@@ -103,7 +116,7 @@ def test_shared_answers_stay_within_their_token_bound():
     for key in range(5):
         store.add(key, [key] * 4)
     assert store.trie.tokens <= 10 and list(store.seqs) == [3, 4]  # the oldest went first
-    assert store.trie.match([4, 4])[0] is not None and store.trie.match([0, 0])[0] is None
+    assert store.trie.matches([4, 4]) and not store.trie.matches([0, 0])
 
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])

@@ -93,9 +93,10 @@ class SuffixTrie:
         self.tokens += 1
         return out[-(self.depth - 1):] if self.depth > 1 else []
 
-    def match(self, context: list[int]) -> tuple[int | None, int]:
-        """The node of the longest suffix of ``context`` (at most depth - 1 tokens) that has a continuation,
-        and its length."""
+    def matches(self, context: list[int]) -> list[tuple[int, int]]:
+        """The nodes of the suffixes of ``context`` (at most depth - 1 tokens) that occurred before with a
+        continuation, with their lengths, longest first."""
+        out = []
         for m in range(min(self.depth - 1, len(context)), 0, -1):
             node = self.ROOT
             for t in context[len(context) - m:]:
@@ -103,16 +104,13 @@ class SuffixTrie:
                 if node is None:
                     break
             if node is not None and self.kids[node]:
-                return node, m
-        return None, 0
+                out.append((node, m))
+        return out
 
-    def match_open(self, active: list[int]) -> tuple[int | None, int]:
-        """:meth:`match` for the sequence this trie holds whole, from its open suffixes (as :meth:`extend`
-        returns them, longest first): the first that has a continuation, without walking from the root."""
-        for i, node in enumerate(active):
-            if self.kids[node]:
-                return node, len(active) - i
-        return None, 0
+    def matches_open(self, active: list[int]) -> list[tuple[int, int]]:
+        """:meth:`matches` for the sequence this trie holds whole, from its open suffixes (as :meth:`extend`
+        returns them, longest first), without walking from the root."""
+        return [(node, len(active) - i) for i, node in enumerate(active) if self.kids[node]]
 
 
 @dataclass
@@ -227,18 +225,23 @@ class SuffixDrafter(Drafter):
         return out
 
     def speculate(self, row: SuffixRow, state: DecodeState, min_prob: float | None = None) -> Speculation:
-        """The better (by expected accepted tokens) of the sequence's own trie's and the shared trie's trees."""
+        """The best tree (by expected accepted tokens) over the sequence's own trie and the shared trie and
+        over every match length: a long match leaves few levels of the trie below it (suffixes are cut to
+        ``depth`` tokens), so a shorter one may speculate further (as SuffixDecoding's reference code tries
+        every pattern length). Lengths whose size bound (``alpha`` per matched token) cannot beat the best
+        tree so far are not tried."""
         self._catch_up(row, state.tokens)
         floor = self.min_prob if min_prob is None else min_prob
         best = Speculation()
         for trie in (row.trie, self.shared.trie):
-            node, m = trie.match_open(row.active) if trie is row.trie else trie.match(state.tokens)
-            if node is None:
-                continue
-            budget = min(self.max_tokens, max(1, int(self.alpha * m)))
-            spec = speculate(trie, node, budget, floor, chain_only=not state.sampling.greedy)
-            if spec.score > best.score:
-                best = spec
+            found = trie.matches_open(row.active) if trie is row.trie else trie.matches(state.tokens)
+            for node, m in found:
+                budget = min(self.max_tokens, max(1, int(self.alpha * m)))
+                if budget <= best.score:
+                    break
+                spec = speculate(trie, node, budget, floor, chain_only=not state.sampling.greedy)
+                if spec.score > best.score:
+                    best = spec
         row.probs = best.probs
         return best
 
