@@ -18,7 +18,9 @@ import uvicorn
 import tiny
 from hydraspec import SpeculativeGenerator, make_drafter
 from hydraspec.batch import BatchGenerator
+from hydraspec.serve.kept_answers import KeptAnswers
 from hydraspec.serve.server import build_server
+from hydraspec.train.data import load_answers
 
 SEED = 3
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
@@ -66,11 +68,11 @@ def single(method, text, max_tokens):
 
 @contextlib.contextmanager
 def server(method="pld", *, max_batch=4, max_queue=16, api_key=None, max_context=200, adaptive=True,
-           prefix_tokens=0, tok=None):
+           prefix_tokens=0, tok=None, keep_answers=None, keep_tokens=2_000_000):
     bg = BatchGenerator(target(), tok or tokenizer(), drafter(method))
     app, worker, _ = build_server(bg, "tiny", max_batch=max_batch, max_context=max_context, max_queue=max_queue,
                                   api_key=api_key, adaptive=adaptive, say=lambda m: None,
-                                  prefix_tokens=prefix_tokens)
+                                  prefix_tokens=prefix_tokens, keep_answers=keep_answers, keep_tokens=keep_tokens)
     cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     srv = uvicorn.Server(cfg)
     th = threading.Thread(target=srv.run, daemon=True)
@@ -566,3 +568,32 @@ def test_a_pacing_drafter_decodes_plainly_where_the_clock_says_its_drafts_lose()
     assert all(rule.limit(1) is None for _ in range(3 * PROBE_EVERY))
     m = target()
     assert isinstance(draft_policy(m, make_auto(m, cost={1: 1.0, 16: 1.0}), serving=True), PacedCheck)
+
+
+def test_kept_answers_are_the_served_answers_in_train_heads_format(tmp_path):
+    with server("pld", keep_answers=str(tmp_path)) as (base, _):
+        c = client(base)
+        for text in PROMPTS[:3]:
+            chat(c, text, 10)
+    rows = load_answers(tmp_path / "answers.jsonl")
+    assert [r["id"] for r in rows] == ["served-0", "served-1", "served-2"]
+    for row, text in zip(rows, PROMPTS[:3]):
+        want = SpeculativeGenerator(target(), tokenizer()).generate([{"role": "user", "content": text}],
+                                                                     max_new_tokens=10)
+        assert row["prompt_ids"] == list(want.prompt_ids) and row["answer_ids"] == list(want.token_ids)
+
+
+def test_kept_answers_stay_within_their_bound_and_resume_after_a_restart(tmp_path):
+    keep = KeptAnswers(tmp_path, max_tokens=40)
+    for i in range(12):
+        keep.add([1, 2, 3], [i] * 5)  # 8 tokens each
+    rows = load_answers(tmp_path / "answers.jsonl")
+    assert sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in rows) == keep.tokens <= 40
+    assert [r["answer_ids"][0] for r in rows] == list(range(12 - len(rows), 12))  # the oldest went first
+    keep.add([4], [])  # an empty answer is not kept
+    with (tmp_path / "answers.jsonl").open("a") as f:
+        f.write('{"id": "served-99", "prompt_ids": [1')  # a line cut off by a crash
+    again = KeptAnswers(tmp_path, max_tokens=40)
+    assert again.tokens == keep.tokens and again.next == 12
+    again.add([7], [8, 9])
+    assert load_answers(tmp_path / "answers.jsonl")[-1] == {"id": "served-12", "prompt_ids": [7], "answer_ids": [8, 9]}

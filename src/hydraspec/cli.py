@@ -152,6 +152,7 @@ def cmd_serve(args) -> int:
                                   max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
                                   adaptive=not args.no_adaptive, start_worker=False, prefix_tokens=args.prefix_cache,
                                   prefill_chunk=args.prefill_chunk, max_step_cost=args.max_step_cost,
+                                  keep_answers=args.keep_answers, keep_tokens=args.keep_answers_tokens,
                                   say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run(app, worker, args.host, args.port)
@@ -221,6 +222,12 @@ def _add_serve(sub) -> None:
                    help="no step may cost more than R plain steps of the requests that decode, so no stream "
                         "waits longer for its next tokens: drafts and prompt chunks are cut to fit (default 2; "
                         "0: no bound)")
+    s.add_argument("--keep-answers", default=None, metavar="DIR",
+                   help="keep every finished answer (prompt and answer token ids, no text) in DIR/answers.jsonl, "
+                        "the format `hydraspec train-heads --data` reads: heads trained on the server's own "
+                        "traffic (default: off)")
+    s.add_argument("--keep-answers-tokens", type=int, default=2_000_000, metavar="N",
+                   help="--keep-answers holds at most N tokens; the oldest answers go first (default 2000000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--no-adaptive", action="store_true",

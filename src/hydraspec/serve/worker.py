@@ -42,11 +42,13 @@ class EngineWorker:
     """Runs ``engine``: ``start()`` in a daemon thread, or ``run()`` in the calling thread (the CLI runs it in
     the main thread); either way the loop runs with room on the frame stack (hydraspec.frame_room).
     ``submit(request, on_event)``: on_event(kind, payload) is called from the engine's thread with
-    ("tokens", ids) after each step and ("done", result) once."""
+    ("tokens", ids) after each step and ("done", result) once. ``keep``: where finished answers go (a
+    hydraspec.serve.kept_answers.KeptAnswers), or None."""
 
-    def __init__(self, engine: Engine, max_queue: int):
+    def __init__(self, engine: Engine, max_queue: int, keep=None):
         self.engine = engine
         self.max_queue = max_queue
+        self.keep = keep
         self.inbox: queue.Queue = queue.Queue()
         self.counters = Counters()
         self.lock = threading.Lock()
@@ -117,8 +119,19 @@ class EngineWorker:
         with self.lock:
             self.outstanding -= 1
             fn = self.events.pop(id(req), None)
+        self._keep(req.result)
         if fn is not None:
             fn("done", req.result)
+
+    def _keep(self, result) -> None:
+        """A finished answer to the kept answers; a failing disk stops the keeping, never the serving."""
+        if self.keep is None or result is None or result.finish_reason == "cancelled":
+            return
+        try:
+            self.keep.add(result.prompt_ids, result.token_ids)
+        except OSError as e:
+            log.error("answers are no longer kept (%s): %s", self.keep.path, e)
+            self.keep = None
 
     def _drain_adds(self) -> list[Request]:
         """Empty the inbox; the requests it still held."""
