@@ -193,13 +193,14 @@ class SuffixRow:
 class SuffixDrafter(Drafter):
     """Suffix decoding (see the module docstring). ``max_tokens``: the most nodes a tree holds; ``alpha``:
     tree nodes per matched token; ``min_prob``: the least path probability a node may have; ``depth``: the
-    longest suffix kept; ``shared_tokens``: the size of the shared trie of earlier answers (0: none)."""
+    longest suffix kept; ``shared_tokens``: the size of the shared trie of earlier answers in tokens (0: none;
+    its memory grows with tokens x depth, measured in BENCHMARKS.md)."""
 
     name = "suffix"
     cheap = True
 
     def __init__(self, max_tokens: int = 16, alpha: float = 2.0, min_prob: float = 0.1, depth: int = 24,
-                 shared_tokens: int = 200_000):
+                 shared_tokens: int = 50_000):
         self.max_tokens, self.alpha, self.min_prob, self.depth = max_tokens, alpha, min_prob, depth
         self.max_nodes = max_tokens
         self.shared = SharedAnswers(depth, shared_tokens)
