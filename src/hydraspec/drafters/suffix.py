@@ -96,7 +96,10 @@ class SuffixTrie:
     def matches(self, context: list[int]) -> list[tuple[int, int]]:
         """The nodes of the suffixes of ``context`` (at most depth - 1 tokens) that occurred before with a
         continuation, with their lengths, longest first."""
-        out = []
+        return list(self.each_match(context))
+
+    def each_match(self, context: list[int]):
+        """:meth:`matches` one at a time, each suffix walked from the root only when asked for."""
         for m in range(min(self.depth - 1, len(context)), 0, -1):
             node = self.ROOT
             for t in context[len(context) - m:]:
@@ -104,8 +107,7 @@ class SuffixTrie:
                 if node is None:
                     break
             if node is not None and self.kids[node]:
-                out.append((node, m))
-        return out
+                yield node, m
 
     def matches_open(self, active: list[int]) -> list[tuple[int, int]]:
         """:meth:`matches` for the sequence this trie holds whole, from its open suffixes (as :meth:`extend`
@@ -235,7 +237,7 @@ class SuffixDrafter(Drafter):
         floor = self.min_prob if min_prob is None else min_prob
         best = Speculation()
         for trie in (row.trie, self.shared.trie):
-            found = trie.matches_open(row.active) if trie is row.trie else trie.matches(state.tokens)
+            found = trie.matches_open(row.active) if trie is row.trie else trie.each_match(state.tokens)
             for node, m in found:
                 budget = min(self.max_tokens, max(1, int(self.alpha * m)))
                 if budget <= best.score:

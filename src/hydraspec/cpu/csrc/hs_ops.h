@@ -239,6 +239,7 @@ static inline float mask_scores(float* s, const void* m, int mkind, int64_t L) {
    8-lane code's operations in its order, so the results are the same bit for bit, in half the instructions.
    PAIR_KEYS: keys j (low half) and, when pair, j + 1 (high half) against the AB rows -> acc[r][jj], [jj + 1];
    WIDE_VALUES: o's dimensions t0 .. in steps of 16 while 16 remain (t0 is left where the 8-lane loop goes on). */
+#define QF(r, t) (qf + KEYS_AT_ONCE * ((r) * D + (t))) /* row r's query from dim t, KEYS_AT_ONCE copies */
 #ifdef __AVX512F__
 #define KEYS_AT_ONCE 2
 static inline __m512 join8(__m256 lo, __m256 hi) {
@@ -290,7 +291,6 @@ static inline __m512 ld16_bf16(const void* p, int64_t i) {
     _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) acc[r][jj] = a[r]; }
 #define WIDE_VALUES(AB, LD16)
 #endif
-#define QF(r, t) (qf + KEYS_AT_ONCE * ((r) * D + (t))) /* row r's query from dim t, KEYS_AT_ONCE copies */
 #define HS_ATTN_KEYS 32 /* keys per tile of the weighted sum of values */
 #define HS_ATTN_BLOCK(NAME, LD8, LD16, AB)                                                                \
 static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,        \
