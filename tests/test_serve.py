@@ -4,8 +4,10 @@ plain answer, concurrent requests of very different lengths each equal their sin
 gets OpenAI error objects, a client that leaves mid-stream frees its row, the API key is enforced."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import gc
 import threading
 import time
 
@@ -18,6 +20,7 @@ import uvicorn
 import tiny
 from hydraspec import SpeculativeGenerator, make_drafter
 from hydraspec.batch import BatchGenerator
+from hydraspec.serve.answer import ClosingStream
 from hydraspec.serve.kept_answers import KeptAnswers
 from hydraspec.serve.server import build_server
 from hydraspec.train.data import load_answers
@@ -253,6 +256,39 @@ def test_disconnect_mid_stream_frees_the_row_and_leaves_others_intact():
             assert time.monotonic() - t0 < 30, finished
             time.sleep(0.02)
         assert "cancelled" in finished
+
+
+def test_a_stream_cut_while_sending_closes_its_body_at_once():
+    """A client that leaves while the server waits inside ``send`` (behind the middleware): the body generator
+    is closed before the response returns, so the row is freed then, not whenever the garbage collector runs."""
+    closed = []
+
+    async def body():
+        try:
+            while True:
+                yield "data: x\n\n"
+        finally:
+            closed.append(True)
+
+    async def main():
+        sent, gone = [], asyncio.Event()
+
+        async def send(message):
+            sent.append(message)
+            if len(sent) == 3:
+                gone.set()
+            await asyncio.sleep(0)  # where a middleware's stream waits
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+        await ClosingStream(body(), media_type="text/event-stream")({"type": "http"}, receive, send)
+        assert closed == [True]  # before asyncio.run closes leftover generators itself
+    gc.disable()
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
 
 
 def test_api_key_is_enforced():

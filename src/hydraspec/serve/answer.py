@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 
+import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine import Request
@@ -15,7 +16,21 @@ from ..sampling import Sampling
 from .api import ApiError, SamplingBody, ServerConfig, error_body, prediction_text
 from .worker import EngineWorker, QueueFull
 
-__all__ = ["Answers", "TextDeltas", "sse"]
+__all__ = ["Answers", "ClosingStream", "TextDeltas", "sse"]
+
+
+class ClosingStream(StreamingResponse):
+    """A streaming response that closes its body generator when the response ends, however it ends. When a
+    client leaves, Starlette cancels the sending task wherever it waits; if that is inside ``send`` (the
+    middleware's stream), the body generator is left suspended and its ``finally`` (which frees the engine
+    row) would run only when the garbage collector finds it."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 class TextDeltas:
@@ -156,7 +171,7 @@ class Answers:
         except StopAsyncIteration:
             first = None
         stream = self._stream(req, ids, events, first, echo_text, include_usage)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        return ClosingStream(stream, media_type="text/event-stream")
 
     async def _stream(self, req: Request, ids: "_Ids", events, first, echo_text: str, include_usage: bool):
         deltas = TextDeltas(self.tokenizer, req.stops)
