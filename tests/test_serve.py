@@ -71,11 +71,11 @@ def single(method, text, max_tokens):
 
 @contextlib.contextmanager
 def server(method="pld", *, max_batch=4, max_queue=16, api_key=None, max_context=200, adaptive=True,
-           prefix_tokens=0, tok=None, keep_answers=None):
-    bg = BatchGenerator(target(), tok or tokenizer(), drafter(method))
+           prefix_tokens=0, tok=None, keep_answers=None, drafter_obj=None, learner=None):
+    bg = BatchGenerator(target(), tok or tokenizer(), drafter_obj or drafter(method))
     app, worker, _ = build_server(bg, "tiny", max_batch=max_batch, max_context=max_context, max_queue=max_queue,
                                   api_key=api_key, adaptive=adaptive, say=lambda m: None,
-                                  prefix_tokens=prefix_tokens, keep_answers=keep_answers)
+                                  prefix_tokens=prefix_tokens, keep_answers=keep_answers, learner=learner)
     cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     srv = uvicorn.Server(cfg)
     th = threading.Thread(target=srv.run, daemon=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 import sys
 
 import transformers
@@ -138,8 +139,22 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def check_learn_args(args) -> None:
+    """--learn: heads of its own directory, answers kept there, a method that drafts with those heads."""
+    if not args.learn:
+        return
+    if args.heads:
+        raise HydraspecError("--learn keeps its heads in DIR/heads; leave out --heads")
+    if args.keep_answers and Path(args.keep_answers).resolve() != Path(args.learn).resolve():
+        raise HydraspecError("--learn keeps the answers in its own directory; leave out --keep-answers")
+    if args.method not in ("auto", "medusa", "hydra"):
+        raise HydraspecError(f"--learn drafts with its heads: use --method auto, medusa or hydra, not {args.method}")
+    args.heads = str(Path(args.learn) / "heads")
+
+
 def cmd_serve(args) -> int:
     """`hydraspec serve`: an OpenAI-compatible server on the engine."""
+    check_learn_args(args)
     check_args_method(args)
     try:
         from .serve.server import build_server, run  # optional
@@ -147,13 +162,19 @@ def cmd_serve(args) -> int:
         raise HydraspecError(f"hydraspec serve needs FastAPI and uvicorn ({e}); pip install fastapi uvicorn") \
             from None
     model, tok, drafter = load_stack(args, threads=args.threads)
+    learner = None
+    if args.learn:
+        from .serve.learn import HeadLearner, head_drafters
+
+        learner = HeadLearner(model, args.learn, head_drafters(drafter), base_name=args.model,
+                              say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     bg = BatchGenerator(model, tok, drafter, acceptor=None if args.acceptor == "auto" else args.acceptor)
     app, worker, _ = build_server(bg, args.served_name or args.model, max_batch=args.max_batch,
                                   max_context=args.max_context, max_queue=args.max_queue, api_key=args.api_key,
                                   adaptive=not args.no_adaptive, start_worker=False, prefix_tokens=args.prefix_cache,
                                   prefill_chunk=args.prefill_chunk, max_step_cost=args.max_step_cost,
                                   keep_answers=args.keep_answers, keep_tokens=args.keep_answers_tokens,
-                                  say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
+                                  learner=learner, say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run(app, worker, args.host, args.port)
     return 0
@@ -228,6 +249,14 @@ def _add_serve(sub) -> None:
                         "traffic (default: off)")
     s.add_argument("--keep-answers-tokens", type=int, default=2_000_000, metavar="N",
                    help="--keep-answers holds at most N tokens; the oldest answers go first (default 2000000)")
+    s.add_argument("--learn", default=None, metavar="DIR",
+                   help="draft heads that keep learning from the server's own answers, kept in DIR (answers.jsonl, "
+                        "heads/, learn_state.pt; a restart goes on from there): they train while no request runs, "
+                        "and replace the heads in use when they score higher on held-out answers. With --method "
+                        "auto (default) they are one of its drafters. The heads read the model's hidden states, so "
+                        "the prefix cache and chunked prefill are off. The output never changes")
+    s.add_argument("--learn-kind", default="hydra", choices=["medusa", "hydra"],
+                   help="the kind of heads --learn starts with when DIR has none (default hydra)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     s.add_argument("--served-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--no-adaptive", action="store_true",

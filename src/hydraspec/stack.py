@@ -9,7 +9,8 @@ from .drafters import DRAFT_METHODS, HEAD_METHODS, check_method, make_auto, make
 from .drafters.hybrid import LookupHybridDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import HydraspecError
-from .heads import load_heads, read_features
+from .heads import ensure_heads, load_heads, read_features
+from .inputs import eos_ids
 from .options import draft_k_option, leaves_option, shipped_tree_for, thread_count
 from .tree import load_tree_spec
 
@@ -41,6 +42,8 @@ def load_stack(args, threads: int | None = None):
     check_args_method(args)
     wants_draft = args.method in DRAFT_METHODS or (args.method == "auto" and args.draft_model)
     model, tok, draft = load_models(args, draft=bool(wants_draft), threads=threads)
+    if getattr(args, "learn", None):  # serve --learn: fresh heads the first time
+        ensure_heads(args.heads, model, args.learn_kind, args.model, eos_ids(model, tok))
     heads = args.method.removeprefix("pld+") in HEAD_METHODS or (args.method == "auto" and getattr(args, "heads", None))
     if heads and getattr(args, "heads", None):
         read_features(args.heads, model)

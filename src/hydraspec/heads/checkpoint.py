@@ -142,6 +142,29 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
     return heads, cfg
 
 
+FRESH_DRAFT_VOCAB = 8192  # fresh heads of a larger vocabulary draft from its first ids
+
+
+def fresh_heads(kind: str, model, eos: set[int] | None = None) -> Heads:
+    """Untrained float32 heads of ``kind`` for ``model``: 4 heads of one layer; for a larger vocabulary, a
+    draft vocabulary of the first FRESH_DRAFT_VOCAB ids and ``eos`` (no answers yet to count tokens in)."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    subset = None
+    if vocab > FRESH_DRAFT_VOCAB:
+        subset = sorted(set(range(FRESH_DRAFT_VOCAB)) | {i for i in (eos or ()) if 0 <= i < vocab})
+    return build_heads(kind, model, num_heads=4, num_layers=1, vocab_subset=subset).float()
+
+
+def ensure_heads(directory, model, kind: str, base_model: str, eos: set[int] | None = None) -> Path:
+    """``directory`` holding heads for ``model``: fresh ones of ``kind`` saved there when it has none yet
+    (the start of `serve --learn`)."""
+    d = Path(directory)
+    if not (d / "config.json").exists():
+        save_heads(fresh_heads(kind, model, eos), d, base_model=base_model,
+                   base_fingerprint=base_fingerprint(model), trained_on=0)
+    return d
+
+
 def _norm(name: str) -> str:
     return Path(str(name)).name.lower().removesuffix(".gguf")
 

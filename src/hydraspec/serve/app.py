@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -71,6 +72,9 @@ class _Metrics:
                                 "Tokens emitted per row per target forward since start (1.0 = no speculation)",
                                 value=c.tokens / c.row_forwards if c.row_forwards else 0.0)
         yield GaugeMetricFamily("hydraspec_verify_steps", "Batched verify forwards since start", value=c.steps)
+        yield GaugeMetricFamily("hydraspec_row_forwards", "Target forwards of one row since start (a step of n rows "
+                                                          "counts n)", value=c.row_forwards)
+        yield GaugeMetricFamily("hydraspec_emitted_tokens", "Tokens emitted since start", value=c.tokens)
 
 
 def _add_error_handlers(app: FastAPI, config: ServerConfig, metrics: _Metrics) -> None:
@@ -113,7 +117,10 @@ def _add_endpoints(app: FastAPI, answers: Answers, worker: EngineWorker, tokeniz
                    meter: _Metrics) -> None:
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running_rows": worker.running_rows, "queue_length": worker.queue_length}
+        out = {"status": "ok", "running_rows": worker.running_rows, "queue_length": worker.queue_length}
+        if worker.learner is not None:
+            out["learning"] = asdict(worker.learner.stats)
+        return out
 
     @app.get("/v1/models")
     async def models():

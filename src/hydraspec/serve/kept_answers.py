@@ -57,12 +57,12 @@ class KeptAnswers:
         if self.tokens > self.max_tokens or not clean:
             self._drop_oldest()
 
-    def add(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
-        """Keep one finished answer (nothing for an empty one)."""
+    def add(self, prompt_ids: list[int], answer_ids: list[int]) -> dict | None:
+        """Keep one finished answer (nothing for an empty one); the row as kept."""
         if not answer_ids:
-            return
-        line = json.dumps({"id": f"{PREFIX}{self.next}", "prompt_ids": list(prompt_ids),
-                           "answer_ids": list(answer_ids)})
+            return None
+        row = {"id": f"{PREFIX}{self.next}", "prompt_ids": list(prompt_ids), "answer_ids": list(answer_ids)}
+        line = json.dumps(row)
         self.next += 1
         n = len(prompt_ids) + len(answer_ids)
         with self.path.open("a") as f:
@@ -71,6 +71,7 @@ class KeptAnswers:
         self.tokens += n
         if self.tokens > self.max_tokens:
             self._drop_oldest()
+        return row
 
     def _drop_oldest(self) -> None:
         """Drop the oldest lines down to 90 % of the bound and rewrite the file."""

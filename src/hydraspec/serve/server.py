@@ -27,13 +27,16 @@ log = logging.getLogger("hydraspec.serve")
 def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max_context: int | None = None,
                  max_queue: int = 64, api_key: str | None = None, adaptive: bool = True, say=print,
                  start_worker: bool = True, prefix_tokens: int = 0, prefill_chunk: int = 0,
-                 max_step_cost: float = 0.0, keep_answers: str | None = None, keep_tokens: int = 2_000_000):
+                 max_step_cost: float = 0.0, keep_answers: str | None = None, keep_tokens: int = 2_000_000,
+                 learner=None):
     """The FastAPI app and its worker for generator ``bg`` (model, tokenizer, drafter, acceptor).
     prefix_tokens: the prefix cache across requests holds up to this many tokens (0: none). prefill_chunk:
     while rows decode, a new request's prompt is read this many tokens a step inside their forwards (0: whole,
     at once). max_step_cost: no step costs more than this many plain steps of the rows that decode (drafts and
     chunks cut to fit; 0: no bound). keep_answers: a directory where every finished answer is kept as
-    self-distillation data, at most keep_tokens tokens (hydraspec.serve.kept_answers; None: none kept)."""
+    self-distillation data, at most keep_tokens tokens (hydraspec.serve.kept_answers; None: none kept).
+    learner: heads that learn from the kept answers while the server is idle (hydraspec.serve.learn.HeadLearner;
+    its directory keeps the answers when keep_answers is None)."""
     if max_batch < 1:
         raise HydraspecError(f"--max-batch must be at least 1, got {max_batch}")
     if max_queue < 0:
@@ -72,11 +75,18 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
     say(f"KV cache: {max_batch} rows x {capacity} slots = {gib(cache_bytes(bg.model, max_batch, capacity))} "
         f"(target{' + draft model' if need > cache_bytes(bg.model, max_batch, capacity) else ''}: {gib(need)}), "
         f"allocated now; context {context} tokens per request")
+    if learner is not None and not keep_answers:
+        keep_answers = str(learner.dir)
     keep = KeptAnswers(keep_answers, keep_tokens) if keep_answers else None
     if keep is not None:
         say(f"keeping every answer as training data in {keep.path} ({keep.tokens} of at most {keep_tokens} "
             "tokens there now; hydraspec train-heads --data reads it)")
-    worker = EngineWorker(engine, max_queue, keep)
+    if learner is not None:
+        st = learner.stats
+        say(f"learning: {learner.drafters[0].heads.kind} heads in {learner.dir / 'heads'} train on the answers while "
+            f"no request runs ({st.answers} answers to train on, {st.heldout} held out, {st.steps} steps so far; "
+            "the heads read the model's hidden states, so the prefix cache and chunked prefill are off)")
+    worker = EngineWorker(engine, max_queue, keep, learner)
     config = ServerConfig(model_name=model_name, capacity=capacity, max_nodes=bg.max_nodes, api_key=api_key)
     app = create_app(worker, bg.tokenizer, functools.partial(encode_prompt, bg.tokenizer), config, start_worker)
     return app, worker, rule

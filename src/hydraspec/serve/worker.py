@@ -43,12 +43,15 @@ class EngineWorker:
     the main thread); either way the loop runs with room on the frame stack (hydraspec.frame_room).
     ``submit(request, on_event)``: on_event(kind, payload) is called from the engine's thread with
     ("tokens", ids) after each step and ("done", result) once. ``keep``: where finished answers go (a
-    hydraspec.serve.kept_answers.KeptAnswers), or None."""
+    hydraspec.serve.kept_answers.KeptAnswers), or None. ``learner``: what learns from them while no request
+    runs or waits (a hydraspec.serve.learn.HeadLearner: kept answers are handed to its ``add``, and its
+    ``work()`` is called, one unit at a time, between looks at the inbox), or None."""
 
-    def __init__(self, engine: Engine, max_queue: int, keep=None):
+    def __init__(self, engine: Engine, max_queue: int, keep=None, learner=None):
         self.engine = engine
         self.max_queue = max_queue
         self.keep = keep
+        self.learner = learner
         self.inbox: queue.Queue = queue.Queue()
         self.counters = Counters()
         self.lock = threading.Lock()
@@ -128,10 +131,25 @@ class EngineWorker:
         if self.keep is None or result is None or result.finish_reason == "cancelled":
             return
         try:
-            self.keep.add(result.prompt_ids, result.token_ids)
+            row = self.keep.add(result.prompt_ids, result.token_ids)
         except OSError as e:
             log.error("answers are no longer kept (%s): %s", self.keep.path, e)
             self.keep = None
+            return
+        if row is not None and self.learner is not None:
+            self.learner.add(row)
+
+    def _learn(self) -> bool:
+        """One unit of the learner's work while idle; False when it has none (a failing learner stops, not the
+        server)."""
+        if self.learner is None or self.engine.busy or not self.inbox.empty():
+            return False
+        try:
+            return self.learner.work()
+        except Exception:
+            log.exception("the heads stop learning")
+            self.learner = None
+            return False
 
     def _drain_adds(self) -> list[Request]:
         """Empty the inbox; the requests it still held."""
@@ -180,7 +198,8 @@ class EngineWorker:
     def _loop(self) -> None:
         eng = self.engine
         while True:
-            if not self._take(block=not eng.busy):
+            learning = self._learn()
+            if not self._take(block=not eng.busy and not learning):
                 break
             if not eng.busy:
                 continue

@@ -1,0 +1,307 @@
+"""Draft heads that keep learning from the answers a server gives (``hydraspec serve --learn DIR``).
+
+Self-distillation as in Medusa-1 and Hydra (Cai et al. 2024, arXiv 2401.10774; Ankner et al. 2024, arXiv
+2402.05109): a server's finished answers are its base model's own output, so heads trained on them learn what
+verification accepts, at no extra decoding cost. The engine's thread calls :meth:`HeadLearner.work` only
+while no request runs or waits, and each call is one unit (one answer's forward and backward, or one scoring),
+so a request that arrives waits for at most one unit. A candidate copy of the heads trains on every answer
+PASSES times; every EVAL_EVERY steps it is scored on held-out answers (a tenth, by id) against the heads in
+use, by the accepted length a chain of their top-1 guesses would have had along those answers, and replaces
+them when it scores higher. The heads in use are kept in DIR/heads, the candidate and its optimizer in
+DIR/learn_state.pt, so a restart goes on where it stopped. Heads only propose tokens: the output never changes.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from ..backend import prepack
+from ..cache import cache_kwargs
+from ..features import features
+from ..heads import base_fingerprint, build_heads, save_heads
+from ..train.data import load_answers
+from ..train.losses import heads_loss
+from ..train.trainer import BaseOutputs, accuracy, autocast_dtype, eval_counts, fused_options, is_heldout, \
+    teacher_logits
+
+
+LEARN_KINDS = ("medusa", "hydra")  # heads without per-sequence state, so they can be swapped between steps
+HELDOUT = 0.1  # the share of answers kept out of training to score the heads on
+MAX_HELDOUT = 48  # the most recent held-out answers scored on
+WINDOW = 4000  # the most recent answers trained on
+PASSES = 2  # times each answer is trained on; then the learner idles until new answers come
+EVAL_EVERY = 32  # training steps between scorings
+MIN_GAIN = 0.005  # accepted tokens per step the candidate must gain over the heads in use
+MAX_LEN = 384  # prompt + answer tokens of one training step (a longer prompt is cut from the front)
+CHUNK = 32  # tokens of an answer the base model reads in one unit
+MIN_PROMPT = 64  # prompt tokens kept at least
+LR = 1e-3
+MEMO_BYTES = 256 << 20  # the base's states of answers kept in memory, for training and for scoring
+HEADS, STATE = "heads", "learn_state.pt"
+
+
+@dataclass
+class LearnStats:
+    """What /health reports of the learning."""
+
+    answers: int = 0  # answers trained on (the held-out ones apart)
+    heldout: int = 0
+    steps: int = 0  # training steps taken
+    swaps: int = 0  # times the heads in use were replaced
+    score: float = 0.0  # the heads in use: accepted draft tokens per step on the held-out answers
+    candidate: float = 0.0  # the candidate's, at the last scoring
+    longest_unit_s: float = 0.0  # the longest unit of work so far: what a request arriving may wait
+
+
+class HiddenMemo:
+    """The base model's states of answers (``ids``/``hidden`` as BaseOutputs), kept in memory, at most
+    ``max_bytes``: the oldest go first."""
+
+    def __init__(self, base: BaseOutputs, max_bytes: int):
+        self.base, self.max_bytes, self.used = base, max_bytes, 0
+        self.states: OrderedDict = OrderedDict()
+
+    def ids(self, row) -> torch.Tensor:
+        return self.base.ids(row)
+
+    def has(self, row) -> bool:
+        return row["id"] in self.states
+
+    def hidden(self, row, ids: torch.Tensor) -> torch.Tensor:
+        if row["id"] not in self.states:
+            self.put(row, self.base.hidden(row, ids))
+        return self.states[row["id"]]
+
+    def put(self, row, hidden: torch.Tensor) -> None:
+        self.states[row["id"]] = hidden
+        self.used += hidden.numel() * hidden.element_size()
+        while self.used > self.max_bytes and len(self.states) > 1:
+            _, old = self.states.popitem(last=False)
+            self.used -= old.numel() * old.element_size()
+
+
+class ChunkedRead:
+    """The base model's states of one answer, read CHUNK tokens a unit, its keys and values kept between
+    units: [T - 1, width] as :meth:`BaseOutputs.hidden` gives them."""
+
+    def __init__(self, model, row: dict, ids: torch.Tensor):
+        self.model, self.row, self.ids = model, row, ids
+        self.cache, self.parts, self.at = DynamicCache(config=model.config), [], 0
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor | None:
+        """Read the next chunk; the states once the whole answer is read, else None."""
+        end = min(self.at + CHUNK, self.ids.numel())
+        out = self.model(input_ids=self.ids[None, self.at:end], **cache_kwargs(self.model, self.cache),
+                         use_cache=True, output_hidden_states=True, logits_to_keep=1)
+        self.parts.append(features(self.model, out.hidden_states)[0])
+        self.at = end
+        return torch.cat(self.parts)[:-1] if end == self.ids.numel() else None
+
+
+def chain_score(totals: torch.Tensor) -> float:
+    """Accepted draft tokens per step of a chain of the heads' top-1 guesses, from their held-out counts
+    (hydraspec.train.trainer.eval_counts): sum over depths of the product of the top-1 rates up to there."""
+    score, reach = 0.0, 1.0
+    for a in accuracy(totals):
+        reach *= a["top1"]
+        score += reach
+    return score
+
+
+@dataclass
+class Scoring:
+    """A scoring in progress, one held-out answer a unit: the answers, the next one, both heads' counts."""
+
+    rows: list
+    at: int = 0
+    candidate: torch.Tensor | None = None
+    live: torch.Tensor | None = None
+
+
+def clone_heads(heads, model):
+    """A float32 copy of ``heads`` with their own weights, sharing the base model's modules."""
+    twin = build_heads(heads.kind, model, heads.num_heads, heads.num_layers, heads.own_projection,
+                       vocab_subset=heads.subset).float()
+    twin.load_state_dict(heads.state_dict())
+    return twin
+
+
+def head_drafters(drafter) -> list:
+    """The head drafters inside ``drafter`` (itself, a hybrid's parts, the auto method's drafters)."""
+    if hasattr(drafter, "heads") and hasattr(drafter, "levels"):
+        return [drafter] + [twin for _, twin in getattr(drafter, "by_rows", [])]
+    found = []
+    for part in list(getattr(drafter, "drafters", {}).values()) + [getattr(drafter, n, None) for n in
+                                                                   ("primary", "lookup", "inner")]:
+        if part is not None and part is not drafter:
+            found += head_drafters(part)
+    return found
+
+
+class HeadLearner:
+    """Trains the heads that ``drafters`` (HeadDrafters sharing one heads module) use, from the answers in
+    ``directory``/answers.jsonl and those :meth:`add` hands it; see the module doc."""
+
+    def __init__(self, model, directory, drafters: list, base_name: str = "", say=print):
+        self.model, self.dir, self.drafters, self.base_name = model, Path(directory), drafters, base_name
+        self.say = say
+        self.candidate = self._float_heads(self.dir / HEADS)
+        self.live = clone_heads(self.candidate, model)
+        self.opt = torch.optim.AdamW(self.candidate.parameters(), lr=LR, **fused_options(model.device))
+        self.amp = autocast_dtype(model.device, "auto")
+        base = BaseOutputs(model, None, max_len=MAX_LEN)
+        self.base = base
+        self.memo, self.held = HiddenMemo(base, MEMO_BYTES), HiddenMemo(base, MEMO_BYTES // 4)
+        self.pool: deque = deque(maxlen=WINDOW)  # [row, passes]
+        self.heldout: deque = deque(maxlen=MAX_HELDOUT)
+        self.stats, self.since_eval, self.scoring, self.reading = LearnStats(), 0, None, None
+        passes = self._resume()
+        for row in load_answers(self.dir / "answers.jsonl") if (self.dir / "answers.jsonl").exists() else []:
+            self.add(row, passes.get(row["id"], 0))
+
+    def _float_heads(self, directory: Path):
+        """Float32 heads with the config and weights saved in ``directory``."""
+        cfg = json.loads((directory / "config.json").read_text())
+        state = load_file(str(directory / "heads.safetensors"))
+        heads = build_heads(cfg["kind"], self.model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
+                            vocab_subset=state.get("subset")).float()
+        heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return heads
+
+    def _resume(self) -> dict:
+        """The candidate, its optimizer and the counts of the last run (DIR/learn_state.pt); each answer's passes."""
+        path = self.dir / STATE
+        if not path.exists():
+            return {}
+        st = torch.load(path, map_location=self.model.device, weights_only=False)
+        self.candidate.load_state_dict(st["candidate"])
+        self.opt.load_state_dict(st["opt"])
+        self.stats = LearnStats(**{**st["stats"], "answers": 0, "heldout": 0, "longest_unit_s": 0.0})
+        return st["passes"]
+
+    def add(self, row: dict, passes: int = 0) -> None:
+        """A finished answer {"id", "prompt_ids", "answer_ids"}: to the held-out set or the training pool."""
+        if len(row["answer_ids"]) < 2:
+            return
+        room = MAX_LEN - min(len(row["answer_ids"]), MAX_LEN - MIN_PROMPT)
+        if len(row["prompt_ids"]) > room:  # the answer must fit: its tokens are the targets
+            row = {**row, "prompt_ids": row["prompt_ids"][-room:]}
+        if is_heldout(row["id"], HELDOUT):
+            self.heldout.append(row)
+            self.stats.heldout = len(self.heldout)
+        else:
+            self.pool.append([row, passes])
+            self.stats.answers = len(self.pool)
+
+    def work(self) -> bool:
+        """One unit of learning (a chunk of the base's read of an answer, a training step, or one held-out
+        answer scored); False when there is nothing to do."""
+        t0 = time.perf_counter()
+        did = self._unit()
+        self.stats.longest_unit_s = round(max(self.stats.longest_unit_s, time.perf_counter() - t0), 4)
+        return did
+
+    def _unit(self) -> bool:
+        if self.scoring is not None:
+            self._score_next()
+            return True
+        item = self._next()
+        if item is not None and not self.memo.has(item[0]):  # the base reads the answer first, by chunks
+            self._read(item[0], self.memo)
+            return True
+        if item is not None:
+            self._train(item)
+            if self.since_eval >= EVAL_EVERY and self.heldout:
+                self.scoring, self.since_eval = Scoring(list(self.heldout)), 0
+            return True
+        if self.since_eval and self.heldout:
+            self.scoring, self.since_eval = Scoring(list(self.heldout)), 0
+            return True
+        return False
+
+    def _read(self, row: dict, memo: HiddenMemo) -> None:
+        """One chunk of the base model's read of ``row``; its states go to ``memo`` after the last."""
+        if self.reading is None or self.reading.row is not row:
+            self.reading = ChunkedRead(self.model, row, memo.ids(row))
+        with torch.inference_mode(False):
+            hidden = self.reading.step()
+        if hidden is not None:
+            memo.put(row, hidden)
+            self.reading = None
+
+    def _next(self):
+        """The pool entry with the fewest passes below PASSES, newest first among equals."""
+        best = None
+        for item in reversed(self.pool):
+            if item[1] < PASSES and (best is None or item[1] < best[1]):
+                best = item
+        return best
+
+    def _train(self, item: list) -> None:
+        """One optimizer step on one answer: the heads against the base's own distribution (Hydra++'s loss)."""
+        row, model = item[0], self.model
+        with torch.inference_mode(False), torch.enable_grad():
+            ids = self.memo.ids(row)
+            hidden = self.memo.hidden(row, ids).float()
+            teacher = teacher_logits(model, hidden, self.candidate.subset)
+            with torch.autocast(model.device.type, dtype=self.amp, enabled=self.amp is not None):
+                loss, _ = heads_loss(self.candidate, self.candidate.prefixed(hidden), ids, len(row["prompt_ids"]),
+                                     embed=model.get_input_embeddings(), teacher_logits=teacher)
+            if loss.requires_grad:  # else no target in reach
+                loss.backward()
+                self.opt.step()
+                self.opt.zero_grad()
+        item[1] += 1
+        self.stats.steps += 1
+        self.since_eval += 1
+
+    def _score_next(self) -> None:
+        """Score both heads on the next held-out answer; after the last, swap when the candidate wins."""
+        sc = self.scoring
+        if not self.held.has(sc.rows[sc.at]):
+            self._read(sc.rows[sc.at], self.held)
+            return
+        row = [sc.rows[sc.at]]
+        with torch.inference_mode(False), torch.no_grad():
+            cand = eval_counts(self.candidate, self.model, row, self.held)
+            live = eval_counts(self.live, self.model, row, self.held)
+        sc.candidate = cand if sc.candidate is None else sc.candidate + cand
+        sc.live = live if sc.live is None else sc.live + live
+        sc.at += 1
+        if sc.at < len(sc.rows):
+            return
+        self.scoring = None
+        cand, live = chain_score(sc.candidate), chain_score(sc.live)
+        self.stats.candidate, self.stats.score = round(cand, 4), round(live, 4)
+        if cand >= live + MIN_GAIN:
+            self._swap(cand, live)
+        self._save_state()
+
+    def _swap(self, cand: float, live: float) -> None:
+        """The candidate's weights into the heads the drafters use (between steps: this is the engine thread)."""
+        self.live = clone_heads(self.candidate, self.model)
+        installed = clone_heads(self.candidate, self.model).to(dtype=self.model.dtype).eval().requires_grad_(False)
+        prepack(installed)
+        for d in self.drafters:
+            d.heads = installed
+        self.stats.swaps += 1
+        self.stats.score = round(cand, 4)
+        save_heads(self.live, self.dir / HEADS, base_model=self.base_name, base_fingerprint=base_fingerprint(self.model),
+                   trained_on=self.stats.steps)
+        self.say(f"heads updated: {live:.3f} -> {cand:.3f} accepted draft tokens per step on {len(self.heldout)} "
+                 f"held-out answers ({self.stats.steps} training steps, {self.stats.answers} answers)")
+
+    def _save_state(self) -> None:
+        passes = {row["id"]: n for row, n in self.pool}
+        tmp = self.dir / f"{STATE}.tmp"
+        torch.save({"candidate": self.candidate.state_dict(), "opt": self.opt.state_dict(), "passes": passes,
+                    "stats": asdict(self.stats)}, tmp)
+        tmp.replace(self.dir / STATE)
