@@ -15,7 +15,7 @@ from hydraspec import SpeculativeGenerator, make_drafter
 from hydraspec.heads import ensure_heads, load_heads
 from hydraspec.serve import learn
 from hydraspec.serve.learn import HeadLearner, head_drafters
-from hydraspec.train.trainer import eval_counts
+from hydraspec.train.trainer import BaseOutputs, eval_counts
 
 SEED = 5
 
@@ -139,6 +139,12 @@ def test_a_server_learns_between_requests(tmp_path, monkeypatch):
             time.sleep(0.05)
         assert worker.keep is not None and lr.stats.steps > 0
         assert httpx.get(base + "/health").json()["learning"]["swaps"] >= 1
+        kept = [row for row, _ in lr.pool if lr.memo.has(row)] + [row for row in lr.heldout if lr.held.has(row)]
+        assert len(kept) == len(asks)  # the engine handed every answer's states: none read again
+        for row in kept:  # ... and they are the base's own states at the answer's positions
+            memo = lr.memo if lr.memo.has(row) else lr.held
+            own = BaseOutputs(model, max_len=learn.MAX_LEN).hidden(row, memo.ids(row))
+            assert torch.allclose(memo.hidden(row, None).float(), own.float(), atol=1e-4)
         for a in asks:  # with the learned heads in use
             assert test_serve.chat(c, *a).choices[0].message.content == want[a]
     assert [json.loads(line)["answer_ids"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()][:1]

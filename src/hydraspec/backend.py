@@ -48,6 +48,12 @@ def compile_steps(model: nn.Module) -> str | None:
     return graph.compile_steps(model)
 
 
+def eager_forward(model: nn.Module):
+    """``model``'s forward without its compiled steps (compile_steps), for callers outside decoding that hand
+    it caches of their own (a plain transformers cache)."""
+    return graph.eager_forward(model)
+
+
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, cols] -> int8 codes and one fp32 scale per row (symmetric, absmax / 127), as the int8 kernels
     hold their weights."""

@@ -173,5 +173,11 @@ def compile_steps(model: torch.nn.Module) -> str | None:
         return eager_forward(*args, **kwargs)
     model.forward = forward
     model.hs_compiled = True
+    model.hs_eager_forward = eager_forward
     return None
+
+
+def eager_forward(model: torch.nn.Module):
+    """The forward ``model`` had before :func:`compile_steps` (its forward itself when not compiled)."""
+    return getattr(model, "hs_eager_forward", model.forward)
 

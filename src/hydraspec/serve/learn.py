@@ -2,9 +2,11 @@
 
 Self-distillation as in Medusa-1 and Hydra (Cai et al. 2024, arXiv 2401.10774; Ankner et al. 2024, arXiv
 2402.05109): a server's finished answers are its base model's own output, so heads trained on them learn what
-verification accepts, at no extra decoding cost. The engine's thread calls :meth:`HeadLearner.work` only
-while no request runs or waits, and each call is one unit (one answer's forward and backward, or one scoring),
-so a request that arrives waits for at most one unit. A candidate copy of the heads trains on every answer
+verification accepts, at no extra decoding cost: the engine keeps the base's hidden states of every answer
+while it decodes, so the heads train on them without a second base forward (answers kept before a restart
+are read again, CHUNK tokens a unit). The engine's thread calls :meth:`HeadLearner.work` only while no
+request runs or waits, and each call is one unit (a training step on one answer, one held-out answer scored,
+or one chunk read), so a request that arrives waits for at most one unit. A candidate copy of the heads trains on every answer
 PASSES times; every EVAL_EVERY steps it is scored on held-out answers (a tenth, by id) against the heads in
 use, by the accepted length a chain of their top-1 guesses would have had along those answers, and replaces
 them when it scores higher. The heads in use are kept in DIR/heads, the candidate and its optimizer in
@@ -22,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from ..backend import prepack
+from ..backend import eager_forward, prepack
 from ..cache import cache_kwargs
 from ..features import features
 from ..heads import base_fingerprint, build_heads, save_heads
@@ -40,7 +42,7 @@ PASSES = 2  # times each answer is trained on; then the learner idles until new 
 EVAL_EVERY = 32  # training steps between scorings
 MIN_GAIN = 0.005  # accepted tokens per step the candidate must gain over the heads in use
 MAX_LEN = 384  # prompt + answer tokens of one training step (a longer prompt is cut from the front)
-CHUNK = 32  # tokens of an answer the base model reads in one unit
+CHUNK = 16  # tokens of an answer the base model reads in one unit (answers kept before a restart)
 MIN_PROMPT = 64  # prompt tokens kept at least
 LR = 1e-3
 MEMO_BYTES = 256 << 20  # the base's states of answers kept in memory, for training and for scoring
@@ -99,8 +101,8 @@ class ChunkedRead:
     def step(self) -> torch.Tensor | None:
         """Read the next chunk; the states once the whole answer is read, else None."""
         end = min(self.at + CHUNK, self.ids.numel())
-        out = self.model(input_ids=self.ids[None, self.at:end], **cache_kwargs(self.model, self.cache),
-                         use_cache=True, output_hidden_states=True, logits_to_keep=1)
+        out = eager_forward(self.model)(input_ids=self.ids[None, self.at:end], **cache_kwargs(self.model, self.cache),
+                                        use_cache=True, output_hidden_states=True, logits_to_keep=1)
         self.parts.append(features(self.model, out.hidden_states)[0])
         self.at = end
         return torch.cat(self.parts)[:-1] if end == self.ids.numel() else None
@@ -153,6 +155,7 @@ class HeadLearner:
     def __init__(self, model, directory, drafters: list, base_name: str = "", say=print):
         self.model, self.dir, self.drafters, self.base_name = model, Path(directory), drafters, base_name
         self.say = say
+        model.requires_grad_(False)  # gradients reach the heads only (not the embeddings the heads look up)
         self.candidate = self._float_heads(self.dir / HEADS)
         self.live = clone_heads(self.candidate, model)
         self.opt = torch.optim.AdamW(self.candidate.parameters(), lr=LR, **fused_options(model.device))
@@ -187,14 +190,22 @@ class HeadLearner:
         self.stats = LearnStats(**{**st["stats"], "answers": 0, "heldout": 0, "longest_unit_s": 0.0})
         return st["passes"]
 
-    def add(self, row: dict, passes: int = 0) -> None:
-        """A finished answer {"id", "prompt_ids", "answer_ids"}: to the held-out set or the training pool."""
+    def add(self, row: dict, passes: int = 0, hidden: torch.Tensor | None = None) -> None:
+        """A finished answer {"id", "prompt_ids", "answer_ids"}: to the held-out set or the training pool.
+        ``hidden``: the base's states at its positions 0 .. T - 2, as the engine kept them while answering
+        (then the base need not read it again)."""
         if len(row["answer_ids"]) < 2:
             return
         room = MAX_LEN - min(len(row["answer_ids"]), MAX_LEN - MIN_PROMPT)
-        if len(row["prompt_ids"]) > room:  # the answer must fit: its tokens are the targets
-            row = {**row, "prompt_ids": row["prompt_ids"][-room:]}
-        if is_heldout(row["id"], HELDOUT):
+        cut = max(0, len(row["prompt_ids"]) - room)  # the answer must fit: its tokens are the targets
+        if cut:
+            row = {**row, "prompt_ids": row["prompt_ids"][cut:]}
+        held = is_heldout(row["id"], HELDOUT)
+        if hidden is not None:
+            n = self.memo.ids(row).numel() - 1
+            if hidden.shape[0] >= cut + n:
+                (self.held if held else self.memo).put(row, hidden[cut:cut + n])
+        if held:
             self.heldout.append(row)
             self.stats.heldout = len(self.heldout)
         else:

@@ -62,7 +62,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         raise HydraspecError(f"--max-step-cost must be 0 (no bound) or more, got {max_step_cost}")
     bg.max_step_cost = max_step_cost
     rule = bg.policy(serving=True)
-    engine = bg.engine(max_batch, capacity, policy=rule)
+    engine = bg.engine(max_batch, capacity, keep_hidden=learner is not None, policy=rule)  # a learner's data
     if prefill_chunk and not engine.prefill_chunk:
         say("prompts are read whole when they join (chunked prefill needs packed rows: the CPU backend)")
     inner = rule.inner if isinstance(rule, LatencyCap) else rule

@@ -137,7 +137,7 @@ class EngineWorker:
             self.keep = None
             return
         if row is not None and self.learner is not None:
-            self.learner.add(row)
+            self.learner.add(row, hidden=result.hidden_states)
 
     def _learn(self) -> bool:
         """One unit of the learner's work while idle; False when it has none (a failing learner stops, not the
