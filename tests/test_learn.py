@@ -4,6 +4,7 @@ plain ones, a restart goes on from the saved state, and a real server learns bet
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -76,6 +77,7 @@ def test_learned_heads_replace_the_fresh_ones_and_leave_answers_unchanged(tmp_pa
     # accepted draft tokens per step on the held-out answers, up from the fresh heads'
     assert lr.stats.score == round(learn.chain_score(eval_counts(lr.live, model, held, lr.held)), 4)
     assert lr.stats.score > before + 0.1, (before, lr.stats)
+    assert lr.writer.flush(60)
     saved = load_file(str(tmp_path / "heads" / "heads.safetensors"))  # the heads in use, on disk
     assert saved.keys() == lr.live.state_dict().keys()
     assert all(torch.equal(saved[k], v) for k, v in lr.live.state_dict().items())
@@ -93,6 +95,7 @@ def test_a_restart_goes_on_where_learning_stopped(tmp_path, monkeypatch):
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     first = learner(tmp_path, drafter_in(tmp_path), monkeypatch)
     learn_all(first)
+    first.close()
     again = learner(tmp_path, drafter_in(tmp_path), monkeypatch)
     assert again.stats.steps == first.stats.steps and again.stats.swaps == first.stats.swaps
     assert (again.stats.answers, again.stats.heldout) == (first.stats.answers, first.stats.heldout)
@@ -160,3 +163,31 @@ def test_serve_learn_refuses_heads_of_its_own_and_methods_without_heads(tmp_path
     assert "use --method auto, medusa or hydra, not pld" in capsys.readouterr().err
     assert main(base + ["--keep-answers", str(tmp_path / "elsewhere")]) == 2
     assert "keeps the answers in its own directory" in capsys.readouterr().err
+
+
+def test_the_disk_writer_runs_only_the_newest_waiting_write_of_a_kind():
+    started, gate, ran = threading.Event(), threading.Event(), []
+
+    def first():
+        started.set()
+        gate.wait(10)
+        ran.append("first")
+    writer = learn.DiskWriter(say=lambda m: None)
+    writer.put("heads", first)
+    assert started.wait(10)  # under way: the next ones wait
+    writer.put("state", lambda: ran.append("old state"))
+    writer.put("state", lambda: ran.append("new state"))
+    gate.set()
+    assert writer.flush(10)
+    assert ran == ["first", "new state"]
+
+
+def test_heads_whose_replacement_was_cut_off_between_its_renames_are_taken_back(tmp_path):
+    model, _ = model_and_tok()
+    torch.manual_seed(0)
+    ensure_heads(tmp_path / "heads", model, "medusa", "tiny")
+    before = load_file(str(tmp_path / "heads" / "heads.safetensors"))
+    (tmp_path / "heads").rename(tmp_path / "heads.old")  # DIR/heads moved aside, the new one not yet in place
+    ensure_heads(tmp_path / "heads", model, "medusa", "tiny")
+    after = load_file(str(tmp_path / "heads" / "heads.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

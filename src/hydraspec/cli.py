@@ -177,6 +177,8 @@ def cmd_serve(args) -> int:
                                   learner=learner, say=lambda m: print(f"hydraspec serve: {m}", file=sys.stderr))
     print(f"hydraspec serve: {args.model} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     run(app, worker, args.host, args.port)
+    if learner is not None:
+        learner.close()
     return 0
 
 

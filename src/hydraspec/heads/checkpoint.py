@@ -157,8 +157,11 @@ def fresh_heads(kind: str, model, eos: set[int] | None = None) -> Heads:
 
 def ensure_heads(directory, model, kind: str, base_model: str, eos: set[int] | None = None) -> Path:
     """``directory`` holding heads for ``model``: fresh ones of ``kind`` saved there when it has none yet
-    (the start of `serve --learn`)."""
+    (the start of `serve --learn`; a DIRECTORY.old left by a replacement cut off half-way is taken back)."""
     d = Path(directory)
+    old = d.with_name(d.name + ".old")
+    if not d.exists() and (old / "config.json").exists():  # a replacement cut off between its two renames
+        old.rename(d)
     if not (d / "config.json").exists():
         save_heads(fresh_heads(kind, model, eos), d, base_model=base_model,
                    base_fingerprint=base_fingerprint(model), trained_on=0)

@@ -14,7 +14,10 @@ DIR/learn_state.pt, so a restart goes on where it stopped. Heads only propose to
 """
 from __future__ import annotations
 
+import copy
 import json
+import shutil
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
@@ -23,6 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
+
+try:  # transformers 5: module initialisation skipped inside this context
+    from transformers.initialization import no_init_weights
+except ImportError:  # elsewhere: weights are drawn and then overwritten
+    from contextlib import nullcontext as no_init_weights
 
 from ..backend import eager_forward, prepack
 from ..cache import cache_kwargs
@@ -129,9 +137,11 @@ class Scoring:
 
 
 def clone_heads(heads, model):
-    """A float32 copy of ``heads`` with their own weights, sharing the base model's modules."""
-    twin = build_heads(heads.kind, model, heads.num_heads, heads.num_layers, heads.own_projection,
-                       vocab_subset=heads.subset).float()
+    """A float32 copy of ``heads`` with their own weights, sharing the base model's modules (built without
+    drawing initial weights where transformers can skip that: they are overwritten at once)."""
+    with no_init_weights():
+        twin = build_heads(heads.kind, model, heads.num_heads, heads.num_layers, heads.own_projection,
+                           vocab_subset=heads.subset).float()
     twin.load_state_dict(heads.state_dict())
     return twin
 
@@ -166,6 +176,7 @@ class HeadLearner:
         self.pool: deque = deque(maxlen=WINDOW)  # [row, passes]
         self.heldout: deque = deque(maxlen=MAX_HELDOUT)
         self.stats, self.since_eval, self.scoring, self.reading = LearnStats(), 0, None, None
+        self.fingerprint, self.writer, self.chores = base_fingerprint(model), DiskWriter(say), deque()
         passes = self._resume()
         for row in load_answers(self.dir / "answers.jsonl") if (self.dir / "answers.jsonl").exists() else []:
             self.add(row, passes.get(row["id"], 0))
@@ -221,6 +232,9 @@ class HeadLearner:
         return did
 
     def _unit(self) -> bool:
+        if self.chores:  # what a scoring decided (a swap, a snapshot to write), one a unit
+            self.chores.popleft()()
+            return True
         if self.scoring is not None:
             self._score_next()
             return True
@@ -293,11 +307,12 @@ class HeadLearner:
         cand, live = chain_score(sc.candidate), chain_score(sc.live)
         self.stats.candidate, self.stats.score = round(cand, 4), round(live, 4)
         if cand >= live + MIN_GAIN:
-            self._swap(cand, live)
-        self._save_state()
+            self.chores.append(lambda: self._swap(cand, live))
+        self.chores.append(self._save_state)
 
     def _swap(self, cand: float, live: float) -> None:
-        """The candidate's weights into the heads the drafters use (between steps: this is the engine thread)."""
+        """The candidate's weights into the heads the drafters use (between steps: this is the engine thread);
+        the disk writes go to the writer's thread."""
         self.live = clone_heads(self.candidate, self.model)
         installed = clone_heads(self.candidate, self.model).to(dtype=self.model.dtype).eval().requires_grad_(False)
         prepack(installed)
@@ -305,14 +320,71 @@ class HeadLearner:
             d.heads = installed
         self.stats.swaps += 1
         self.stats.score = round(cand, 4)
-        save_heads(self.live, self.dir / HEADS, base_model=self.base_name, base_fingerprint=base_fingerprint(self.model),
-                   trained_on=self.stats.steps)
+        live_heads, steps = self.live, self.stats.steps  # never changed after this: the thread may read it
+        self.writer.put("heads", lambda: self._write_heads(live_heads, steps))
         self.say(f"heads updated: {live:.3f} -> {cand:.3f} accepted draft tokens per step on {len(self.heldout)} "
                  f"held-out answers ({self.stats.steps} training steps, {self.stats.answers} answers)")
 
+    def _write_heads(self, heads, steps: int) -> None:
+        """DIR/heads replaced whole: written beside it, then renamed over it (ensure_heads takes back DIR/heads.old
+        if a crash falls between the two renames)."""
+        new, old, final = self.dir / f"{HEADS}.new", self.dir / f"{HEADS}.old", self.dir / HEADS
+        shutil.rmtree(new, ignore_errors=True)
+        save_heads(heads, new, base_model=self.base_name, base_fingerprint=self.fingerprint, trained_on=steps)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        new.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+
     def _save_state(self) -> None:
-        passes = {row["id"]: n for row, n in self.pool}
-        tmp = self.dir / f"{STATE}.tmp"
-        torch.save({"candidate": self.candidate.state_dict(), "opt": self.opt.state_dict(), "passes": passes,
-                    "stats": asdict(self.stats)}, tmp)
-        tmp.replace(self.dir / STATE)
+        """The candidate, its optimizer and the counts, copied now and written by the writer's thread."""
+        snap = {"candidate": {k: v.detach().clone() for k, v in self.candidate.state_dict().items()},
+                "opt": copy.deepcopy(self.opt.state_dict()), "passes": {row["id"]: n for row, n in self.pool},
+                "stats": asdict(self.stats)}
+
+        def write():
+            tmp = self.dir / f"{STATE}.tmp"
+            torch.save(snap, tmp)
+            tmp.replace(self.dir / STATE)
+        self.writer.put("state", write)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait for the disk writes under way (at shutdown)."""
+        self.writer.flush(timeout)
+
+
+class DiskWriter:
+    """Runs writes in a thread of its own, one after another, so that the engine's thread never waits for the
+    disk; a write of a kind not yet started is replaced by a newer one of that kind. A failing write is
+    reported through ``say``; the learning goes on."""
+
+    def __init__(self, say=print):
+        self.say, self.jobs, self.busy = say, {}, False
+        self.cv = threading.Condition()
+        threading.Thread(target=self._run, name="hydraspec-learn-disk", daemon=True).start()
+
+    def put(self, kind: str, job) -> None:
+        with self.cv:
+            self.jobs.pop(kind, None)
+            self.jobs[kind] = job
+            self.cv.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: not self.jobs and not self.busy, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.jobs)
+                kind = next(iter(self.jobs))
+                job = self.jobs.pop(kind)
+                self.busy = True
+            try:
+                job()
+            except Exception as e:  # a full disk must not stop the learning or the serving
+                self.say(f"could not write the learned {kind} ({type(e).__name__}: {e})")
+            with self.cv:
+                self.busy = False
+                self.cv.notify_all()
