@@ -77,7 +77,7 @@ def test_learned_heads_replace_the_fresh_ones_and_leave_answers_unchanged(tmp_pa
     # accepted draft tokens per step on the held-out answers, up from the fresh heads'
     assert lr.stats.score == round(learn.chain_score(eval_counts(lr.live, model, held, lr.held)), 4)
     assert lr.stats.score > before + 0.1, (before, lr.stats)
-    assert lr.writer.flush(60)
+    assert lr.close()
     saved = load_file(str(tmp_path / "heads" / "heads.safetensors"))  # the heads in use, on disk
     assert saved.keys() == lr.live.state_dict().keys()
     assert all(torch.equal(saved[k], v) for k, v in lr.live.state_dict().items())

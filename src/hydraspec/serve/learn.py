@@ -10,7 +10,8 @@ or one chunk read), so a request that arrives waits for at most one unit. A cand
 PASSES times; every EVAL_EVERY steps it is scored on held-out answers (a tenth, by id) against the heads in
 use, by the accepted length a chain of their top-1 guesses would have had along those answers, and replaces
 them when it scores higher. The heads in use are kept in DIR/heads, the candidate and its optimizer in
-DIR/learn_state.pt, so a restart goes on where it stopped. Heads only propose tokens: the output never changes.
+DIR/learn_state.pt (written by a thread of their own, at most every HEADS_EVERY_S and STATE_EVERY_S, and at
+close()), so a restart goes on from there. Heads only propose tokens: the output never changes.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ MAX_LEN = 384  # prompt + answer tokens of one training step (a longer prompt is
 CHUNK = 16  # tokens of an answer the base model reads in one unit (answers kept before a restart)
 MIN_PROMPT = 64  # prompt tokens kept at least
 LR = 1e-3
+HEADS_EVERY_S, STATE_EVERY_S = 120.0, 600.0  # the heads in use, and the learning state, written at most this often
 MEMO_BYTES = 256 << 20  # the base's states of answers kept in memory, for training and for scoring
 HEADS, STATE = "heads", "learn_state.pt"
 
@@ -177,6 +179,9 @@ class HeadLearner:
         self.heldout: deque = deque(maxlen=MAX_HELDOUT)
         self.stats, self.since_eval, self.scoring, self.reading = LearnStats(), 0, None, None
         self.fingerprint, self.writer, self.chores = base_fingerprint(model), DiskWriter(say), deque()
+        # big writes slow the answers (BENCHMARKS.md): the heads at most every HEADS_EVERY_S, the state every
+        # STATE_EVERY_S, both at close()
+        self.unsaved, self.written = None, {"heads": float("-inf"), "state": time.monotonic()}
         passes = self._resume()
         for row in load_answers(self.dir / "answers.jsonl") if (self.dir / "answers.jsonl").exists() else []:
             self.add(row, passes.get(row["id"], 0))
@@ -308,7 +313,8 @@ class HeadLearner:
         self.stats.candidate, self.stats.score = round(cand, 4), round(live, 4)
         if cand >= live + MIN_GAIN:
             self.chores.append(lambda: self._swap(cand, live))
-        self.chores.append(self._save_state)
+        if time.monotonic() - self.written["state"] >= STATE_EVERY_S:
+            self.chores.append(self._save_state)
 
     def _swap(self, cand: float, live: float) -> None:
         """The candidate's weights into the heads the drafters use (between steps: this is the engine thread);
@@ -320,10 +326,16 @@ class HeadLearner:
             d.heads = installed
         self.stats.swaps += 1
         self.stats.score = round(cand, 4)
-        live_heads, steps = self.live, self.stats.steps  # never changed after this: the thread may read it
-        self.writer.put("heads", lambda: self._write_heads(live_heads, steps))
+        self.unsaved = (self.live, self.stats.steps)  # never changed after this: the writer may read it
+        if time.monotonic() - self.written["heads"] >= HEADS_EVERY_S:
+            self._put_heads()
         self.say(f"heads updated: {live:.3f} -> {cand:.3f} accepted draft tokens per step on {len(self.heldout)} "
                  f"held-out answers ({self.stats.steps} training steps, {self.stats.answers} answers)")
+
+    def _put_heads(self) -> None:
+        heads, steps = self.unsaved
+        self.writer.put("heads", lambda: self._write_heads(heads, steps))
+        self.unsaved, self.written["heads"] = None, time.monotonic()
 
     def _write_heads(self, heads, steps: int) -> None:
         """DIR/heads replaced whole: written beside it, then renamed over it (ensure_heads takes back DIR/heads.old
@@ -348,10 +360,15 @@ class HeadLearner:
             torch.save(snap, tmp)
             tmp.replace(self.dir / STATE)
         self.writer.put("state", write)
+        self.written["state"] = time.monotonic()
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Wait for the disk writes under way (at shutdown)."""
-        self.writer.flush(timeout)
+    def close(self, timeout: float = 60.0) -> bool:
+        """Write what is not on disk yet (the heads in use, the learning state) and wait for it (at shutdown)."""
+        if self.unsaved is not None:
+            self._put_heads()
+        if self.stats.steps:
+            self._save_state()
+        return self.writer.flush(timeout)
 
 
 class DiskWriter:
