@@ -147,7 +147,7 @@ def check_learn_args(args) -> None:
         raise HydraspecError("--learn keeps its heads in DIR/heads; leave out --heads")
     if args.keep_answers and Path(args.keep_answers).resolve() != Path(args.learn).resolve():
         raise HydraspecError("--learn keeps the answers in its own directory; leave out --keep-answers")
-    if args.method not in ("auto", "medusa", "hydra"):
+    if args.method not in ("auto", "medusa", "hydra"):  # heads without per-row state: swapped between steps
         raise HydraspecError(f"--learn drafts with its heads: use --method auto, medusa or hydra, not {args.method}")
     args.heads = str(Path(args.learn) / "heads")
 

@@ -127,14 +127,7 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
     if (cfg.get("joint") or not cfg.get("base_fingerprint")) and base_model and cfg.get("base_model") and \
             _norm(cfg["base_model"]) != _norm(base_model):
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
-    state = _dequantize_int8(load_file(str(d / "heads.safetensors")))
-    heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
-                        prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"),
-                        **{k: cfg[k] for k in ("intermediate_size", "feature_layers") if cfg.get(k)})
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise HydraspecError(f"heads checkpoint '{d}' does not match its config (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]})")
+    heads = saved_heads(d, model, cfg)
     heads.to(device=model.device, dtype=model.dtype).eval()
     if model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
 
@@ -166,6 +159,22 @@ def ensure_heads(directory, model, kind: str, base_model: str, eos: set[int] | N
         save_heads(fresh_heads(kind, model, eos), d, base_model=base_model,
                    base_fingerprint=base_fingerprint(model), trained_on=0)
     return d
+
+
+def saved_heads(directory, model, cfg: dict | None = None) -> Heads:
+    """The heads saved in ``directory`` (``cfg``: its config.json, read here when None) built for ``model`` with
+    their weights as stored (float32 as training writes them), without load_heads' checks, casts and packing."""
+    d = Path(directory)
+    cfg = cfg if cfg is not None else json.loads((d / "config.json").read_text())
+    state = _dequantize_int8(load_file(str(d / "heads.safetensors")))
+    heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
+                        prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"),
+                        **{k: cfg[k] for k in ("intermediate_size", "feature_layers") if cfg.get(k)})
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HydraspecError(f"heads checkpoint '{d}' does not match its config (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+    return heads
 
 
 def _norm(name: str) -> str:

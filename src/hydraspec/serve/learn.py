@@ -16,7 +16,6 @@ close()), so a restart goes on from there. Heads only propose tokens: the output
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 import threading
 import time
@@ -36,14 +35,13 @@ except ImportError:  # elsewhere: weights are drawn and then overwritten
 from ..backend import eager_forward, prepack
 from ..cache import cache_kwargs
 from ..features import features
-from ..heads import base_fingerprint, build_heads, save_heads
+from ..heads import base_fingerprint, build_heads, save_heads, saved_heads
 from ..train.data import load_answers
 from ..train.losses import heads_loss
 from ..train.trainer import BaseOutputs, accuracy, autocast_dtype, eval_counts, fused_options, is_heldout, \
     teacher_logits
 
 
-LEARN_KINDS = ("medusa", "hydra")  # heads without per-sequence state, so they can be swapped between steps
 HELDOUT = 0.1  # the share of answers kept out of training to score the heads on
 MAX_HELDOUT = 48  # the most recent held-out answers scored on
 WINDOW = 4000  # the most recent answers trained on
@@ -149,12 +147,12 @@ def clone_heads(heads, model):
 
 
 def head_drafters(drafter) -> list:
-    """The head drafters inside ``drafter`` (itself, a hybrid's parts, the auto method's drafters)."""
+    """The head drafters inside ``drafter`` (itself and its twins per batch size, a hybrid's inner drafter, the
+    auto method's drafters)."""
     if hasattr(drafter, "heads") and hasattr(drafter, "levels"):
         return [drafter] + [twin for _, twin in getattr(drafter, "by_rows", [])]
     found = []
-    for part in list(getattr(drafter, "drafters", {}).values()) + [getattr(drafter, n, None) for n in
-                                                                   ("primary", "lookup", "inner")]:
+    for part in list(getattr(drafter, "drafters", {}).values()) + [getattr(drafter, "inner", None)]:
         if part is not None and part is not drafter:
             found += head_drafters(part)
     return found
@@ -168,12 +166,11 @@ class HeadLearner:
         self.model, self.dir, self.drafters, self.base_name = model, Path(directory), drafters, base_name
         self.say = say
         model.requires_grad_(False)  # gradients reach the heads only (not the embeddings the heads look up)
-        self.candidate = self._float_heads(self.dir / HEADS)
+        self.candidate = saved_heads(self.dir / HEADS, model).float()
         self.live = clone_heads(self.candidate, model)
         self.opt = torch.optim.AdamW(self.candidate.parameters(), lr=LR, **fused_options(model.device))
         self.amp = autocast_dtype(model.device, "auto")
         base = BaseOutputs(model, None, max_len=MAX_LEN)
-        self.base = base
         self.memo, self.held = HiddenMemo(base, MEMO_BYTES), HiddenMemo(base, MEMO_BYTES // 4)
         self.pool: deque = deque(maxlen=WINDOW)  # [row, passes]
         self.heldout: deque = deque(maxlen=MAX_HELDOUT)
@@ -185,15 +182,6 @@ class HeadLearner:
         passes = self._resume()
         for row in load_answers(self.dir / "answers.jsonl") if (self.dir / "answers.jsonl").exists() else []:
             self.add(row, passes.get(row["id"], 0))
-
-    def _float_heads(self, directory: Path):
-        """Float32 heads with the config and weights saved in ``directory``."""
-        cfg = json.loads((directory / "config.json").read_text())
-        state = load_file(str(directory / "heads.safetensors"))
-        heads = build_heads(cfg["kind"], self.model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
-                            vocab_subset=state.get("subset")).float()
-        heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-        return heads
 
     def _resume(self) -> dict:
         """The candidate, its optimizer and the counts of the last run (DIR/learn_state.pt); each answer's passes."""
