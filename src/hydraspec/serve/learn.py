@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
 try:  # transformers 5: module initialisation skipped inside this context
