@@ -4,17 +4,18 @@ plain ones, a restart goes on from the saved state, and a real server learns bet
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import tiny
 from hydraspec import SpeculativeGenerator, make_drafter
 from hydraspec.heads import ensure_heads, load_heads
-from hydraspec.serve import learn
+from hydraspec.serve import chunked_write, learn
+from hydraspec.serve.chunked_write import ChunkedWrite
 from hydraspec.serve.learn import HeadLearner, head_drafters
 from hydraspec.train.trainer import BaseOutputs, eval_counts
 
@@ -77,7 +78,7 @@ def test_learned_heads_replace_the_fresh_ones_and_leave_answers_unchanged(tmp_pa
     # accepted draft tokens per step on the held-out answers, up from the fresh heads'
     assert lr.stats.score == round(learn.chain_score(eval_counts(lr.live, model, held, lr.held)), 4)
     assert lr.stats.score > before + 0.1, (before, lr.stats)
-    assert lr.close()
+    lr.close()
     saved = load_file(str(tmp_path / "heads" / "heads.safetensors"))  # the heads in use, on disk
     assert saved.keys() == lr.live.state_dict().keys()
     assert all(torch.equal(saved[k], v) for k, v in lr.live.state_dict().items())
@@ -165,21 +166,63 @@ def test_serve_learn_refuses_heads_of_its_own_and_methods_without_heads(tmp_path
     assert "keeps the answers in its own directory" in capsys.readouterr().err
 
 
-def test_the_disk_writer_runs_only_the_newest_waiting_write_of_a_kind():
-    started, gate, ran = threading.Event(), threading.Event(), []
+def test_the_warm_up_before_serving_learns_nothing(tmp_path, monkeypatch):
+    """The learner's first-step warm-up leaves the heads and the optimizer as a cold start has them: the same
+    training steps give the same weights bit for bit."""
+    model, _ = model_and_tok()
+    ensure_heads(tmp_path / "heads", model, "hydra", "tiny")
+    rows = answers(6)
+    saved = load_file(str(tmp_path / "heads" / "heads.safetensors"))
+    trained = []
+    for warm in (True, False):
+        if not warm:
+            monkeypatch.setattr(HeadLearner, "_warm", lambda self: None)
+        lr = learner(tmp_path, drafter_in(tmp_path), monkeypatch)
+        if warm:
+            assert all(torch.equal(saved[k], v) for k, v in lr.candidate.state_dict().items())
+        for row in rows:
+            lr.add(row)
+        for _ in range(20):
+            lr.work()
+        assert lr.stats.steps > 2
+        trained.append(lr.candidate.state_dict())
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
 
-    def first():
-        started.set()
-        gate.wait(10)
-        ran.append("first")
-    writer = learn.DiskWriter(say=lambda m: None)
-    writer.put("heads", first)
-    assert started.wait(10)  # under way: the next ones wait
-    writer.put("state", lambda: ran.append("old state"))
-    writer.put("state", lambda: ran.append("new state"))
-    gate.set()
-    assert writer.flush(10)
-    assert ran == ["first", "new state"]
+
+def test_a_file_written_in_slices_reads_back_whole_and_replaces_the_old_one_only_at_the_end(tmp_path):
+    tensors = {"w": torch.randn(300, 7), "h": torch.randn(11).bfloat16(), "step": torch.tensor(4.0),
+               "ids": torch.arange(5), "none": torch.zeros(0), "mask": torch.ones(3, dtype=torch.bool)}
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(b"the old file")
+    w = ChunkedWrite(path, tensors, {"note": "kept"}, chunk=1000)
+    steps = 0
+    while not w.step():
+        steps += 1
+        assert path.read_bytes() == b"the old file"  # a reader never sees half a file
+    assert steps >= 8  # 8,500 bytes of tensors, at most 1,000 a slice
+    back = load_file(str(path))
+    assert list(back) == list(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"note": "kept"}
+
+
+def test_the_learner_writes_in_slices_between_other_units(tmp_path, monkeypatch):
+    """Writing the state is many units, and training waits until the state on its way to disk is written."""
+    model, _ = model_and_tok()
+    ensure_heads(tmp_path / "heads", model, "hydra", "tiny")
+    lr = learner(tmp_path, drafter_in(tmp_path), monkeypatch)
+    monkeypatch.setattr(chunked_write, "CHUNK_BYTES", 4096)
+    for row in answers(10):
+        lr.add(row)
+    for _ in range(3):
+        lr.work()
+    lr._save_state()
+    steps, units = lr.stats.steps, 0
+    while lr.writes:
+        assert lr.work() and lr.stats.steps == steps
+        units += 1
+    assert units > 10 and (tmp_path / learn.STATE).exists()
+    assert lr.work() and lr.stats.steps == steps + 1
 
 
 def test_heads_whose_replacement_was_cut_off_between_its_renames_are_taken_back(tmp_path):

@@ -253,7 +253,7 @@ def _add_serve(sub) -> None:
                    help="--keep-answers holds at most N tokens; the oldest answers go first (default 2000000)")
     s.add_argument("--learn", default=None, metavar="DIR",
                    help="draft heads that keep learning from the server's own answers, kept in DIR (answers.jsonl, "
-                        "heads/, learn_state.pt; a restart goes on from there): they train while no request runs, "
+                        "heads/, learn_state.safetensors; a restart goes on from there): they train while no request runs, "
                         "and replace the heads in use when they score higher on held-out answers. With --method "
                         "auto (default) they are one of its drafters. The heads read the model's hidden states, so "
                         "the prefix cache and chunked prefill are off. The output never changes")

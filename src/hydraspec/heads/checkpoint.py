@@ -45,17 +45,25 @@ def build_heads(kind: str, model, num_heads: int = 4, num_layers: int = 1, own_p
     return heads.to(model.device)
 
 
+def heads_state(heads: Heads) -> dict[str, torch.Tensor]:
+    """The tensors of a heads checkpoint (heads.safetensors)."""
+    return {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+
+
+def heads_config(heads: Heads, base_model: str, tree: list[list[int]] | None = None, **extra) -> dict:
+    """The config.json of a heads checkpoint."""
+    return {"format": FORMAT, "kind": heads.kind, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
+            "hidden_size": heads.hidden, "vocab_size": heads.vocab, "own_projection": heads.own_projection,
+            "prefix_layer": heads.prefix is not None,
+            "draft_vocab": heads.out_vocab if heads.subset is not None else None, "base_model": base_model,
+            "default_tree": tree or default_tree(heads.num_heads), **heads.extra_config(), **extra}
+
+
 def save_heads(heads: Heads, directory, base_model: str, tree: list[list[int]] | None = None, **extra) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-    save_file(state, str(out / "heads.safetensors"))
-    cfg = {"format": FORMAT, "kind": heads.kind, "num_heads": heads.num_heads, "num_layers": heads.num_layers,
-           "hidden_size": heads.hidden, "vocab_size": heads.vocab, "own_projection": heads.own_projection,
-           "prefix_layer": heads.prefix is not None,
-           "draft_vocab": heads.out_vocab if heads.subset is not None else None, "base_model": base_model,
-           "default_tree": tree or default_tree(heads.num_heads), **heads.extra_config(), **extra}
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(heads_state(heads), str(out / "heads.safetensors"))
+    (out / "config.json").write_text(json.dumps(heads_config(heads, base_model, tree, **extra), indent=1))
     return out
 
 

@@ -10,20 +10,22 @@ or one chunk read), so a request that arrives waits for at most one unit. A cand
 PASSES times; every EVAL_EVERY steps it is scored on held-out answers (a tenth, by id) against the heads in
 use, by the accepted length a chain of their top-1 guesses would have had along those answers, and replaces
 them when it scores higher. The heads in use are kept in DIR/heads, the candidate and its optimizer in
-DIR/learn_state.pt (written by a thread of their own, at most every HEADS_EVERY_S and STATE_EVERY_S, and at
-close()), so a restart goes on from there. Heads only propose tokens: the output never changes.
+DIR/learn_state.safetensors, so a restart goes on from there. Both are written in idle time too, a slice of at
+most CHUNK_BYTES a unit (hydraspec.serve.chunked_write), at most every HEADS_EVERY_S and STATE_EVERY_S, and
+whole at close(). Heads only propose tokens: the output never changes.
 """
 from __future__ import annotations
 
-import copy
+import json
 import shutil
-import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 try:  # transformers 5: module initialisation skipped inside this context
@@ -34,9 +36,10 @@ except ImportError:  # elsewhere: weights are drawn and then overwritten
 from ..backend import eager_forward, prepack
 from ..cache import cache_kwargs
 from ..features import features
-from ..heads import base_fingerprint, build_heads, save_heads, saved_heads
+from ..heads import base_fingerprint, build_heads, heads_config, heads_state, saved_heads
 from ..train.data import load_answers
 from ..train.losses import heads_loss
+from .chunked_write import ChunkedWrite
 from ..train.trainer import BaseOutputs, accuracy, autocast_dtype, eval_counts, fused_options, is_heldout, \
     teacher_logits
 
@@ -53,7 +56,7 @@ MIN_PROMPT = 64  # prompt tokens kept at least
 LR = 1e-3
 HEADS_EVERY_S, STATE_EVERY_S = 120.0, 600.0  # the heads in use, and the learning state, written at most this often
 MEMO_BYTES = 256 << 20  # the base's states of answers kept in memory, for training and for scoring
-HEADS, STATE = "heads", "learn_state.pt"
+HEADS, STATE = "heads", "learn_state.safetensors"
 
 
 @dataclass
@@ -174,24 +177,59 @@ class HeadLearner:
         self.pool: deque = deque(maxlen=WINDOW)  # [row, passes]
         self.heldout: deque = deque(maxlen=MAX_HELDOUT)
         self.stats, self.since_eval, self.scoring, self.reading = LearnStats(), 0, None, None
-        self.fingerprint, self.writer, self.chores = base_fingerprint(model), DiskWriter(say), deque()
-        # big writes slow the answers (BENCHMARKS.md): the heads at most every HEADS_EVERY_S, the state every
-        # STATE_EVERY_S, both at close()
+        self.fingerprint, self.chores, self.writes = base_fingerprint(model), deque(), deque()
         self.unsaved, self.written = None, {"heads": float("-inf"), "state": time.monotonic()}
         passes = self._resume()
+        self._warm()
         for row in load_answers(self.dir / "answers.jsonl") if (self.dir / "answers.jsonl").exists() else []:
             self.add(row, passes.get(row["id"], 0))
 
     def _resume(self) -> dict:
-        """The candidate, its optimizer and the counts of the last run (DIR/learn_state.pt); each answer's passes."""
+        """The candidate, its optimizer and the counts of the last run (DIR/learn_state.safetensors); each answer's
+        passes."""
         path = self.dir / STATE
         if not path.exists():
             return {}
-        st = torch.load(path, map_location=self.model.device, weights_only=False)
-        self.candidate.load_state_dict(st["candidate"])
-        self.opt.load_state_dict(st["opt"])
-        self.stats = LearnStats(**{**st["stats"], "answers": 0, "heldout": 0, "longest_unit_s": 0.0})
-        return st["passes"]
+        tensors = load_file(str(path), device=str(self.model.device))
+        with safe_open(str(path), "pt") as f:
+            meta = {k: json.loads(v) for k, v in f.metadata().items()}
+        self.candidate.load_state_dict({k[len("candidate."):]: v for k, v in tensors.items() if k.startswith("candidate.")})
+        opt: dict = {}
+        for k, v in tensors.items():
+            if k.startswith("opt."):
+                _, i, name = k.split(".", 2)
+                opt.setdefault(int(i), {})[name] = v
+        self.opt.load_state_dict({"state": opt, "param_groups": meta["param_groups"]})
+        self.stats = LearnStats(**{**meta["stats"], "answers": 0, "heldout": 0, "longest_unit_s": 0.0})
+        return meta["passes"]
+
+    def _warm(self) -> None:
+        """A training step's first-time work done before the server starts: a step on a made-up answer whose
+        gradients are zero and learning rate 0, then the optimizer's step count set back, so that nothing is
+        learnt (a fresh optimizer's state is zeros and step 0) and the first real step takes as long as the
+        next (it took five times longer on Qwen2.5-Coder-1.5B)."""
+        fresh = not self.opt.state
+        ids = torch.arange(3, 3 + MIN_PROMPT, device=self.model.device)
+        dim = self.model.config.get_text_config(decoder=True).hidden_size
+        hidden = torch.zeros(len(ids) - 1, dim, device=self.model.device)
+        with torch.inference_mode(False), torch.enable_grad():
+            loss = self._loss(ids, hidden, len(ids) // 2)
+            if not loss.requires_grad:
+                return
+            loss.backward()
+            if fresh:
+                lrs = [g["lr"] for g in self.opt.param_groups]
+                for g in self.opt.param_groups:
+                    g["lr"] = 0.0
+                for p in self.candidate.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+                self.opt.step()
+                for g, lr in zip(self.opt.param_groups, lrs):
+                    g["lr"] = lr
+                for st in self.opt.state.values():
+                    st["step"].zero_() if torch.is_tensor(st["step"]) else st.update(step=0)
+            self.opt.zero_grad()
 
     def add(self, row: dict, passes: int = 0, hidden: torch.Tensor | None = None) -> None:
         """A finished answer {"id", "prompt_ids", "answer_ids"}: to the held-out set or the training pool.
@@ -224,8 +262,12 @@ class HeadLearner:
         return did
 
     def _unit(self) -> bool:
-        if self.chores:  # what a scoring decided (a swap, a snapshot to write), one a unit
+        if self.chores:  # what a scoring decided (a swap, a write to start), one a unit
             self.chores.popleft()()
+            return True
+        if self.writes:  # a slice of a file (before any training step: the state written must not change)
+            if self.writes[0].step():
+                self.writes.popleft()
             return True
         if self.scoring is not None:
             self._score_next()
@@ -262,16 +304,21 @@ class HeadLearner:
                 best = item
         return best
 
+    def _loss(self, ids: torch.Tensor, hidden: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """The heads against the base's own distribution along one answer (Hydra++'s loss)."""
+        model = self.model
+        teacher = teacher_logits(model, hidden, self.candidate.subset)
+        with torch.autocast(model.device.type, dtype=self.amp, enabled=self.amp is not None):
+            loss, _ = heads_loss(self.candidate, self.candidate.prefixed(hidden), ids, prompt_len,
+                                 embed=model.get_input_embeddings(), teacher_logits=teacher)
+        return loss
+
     def _train(self, item: list) -> None:
-        """One optimizer step on one answer: the heads against the base's own distribution (Hydra++'s loss)."""
-        row, model = item[0], self.model
+        """One optimizer step on one answer."""
+        row = item[0]
         with torch.inference_mode(False), torch.enable_grad():
             ids = self.memo.ids(row)
-            hidden = self.memo.hidden(row, ids).float()
-            teacher = teacher_logits(model, hidden, self.candidate.subset)
-            with torch.autocast(model.device.type, dtype=self.amp, enabled=self.amp is not None):
-                loss, _ = heads_loss(self.candidate, self.candidate.prefixed(hidden), ids, len(row["prompt_ids"]),
-                                     embed=model.get_input_embeddings(), teacher_logits=teacher)
+            loss = self._loss(ids, self.memo.hidden(row, ids).float(), len(row["prompt_ids"]))
             if loss.requires_grad:  # else no target in reach
                 loss.backward()
                 self.opt.step()
@@ -305,7 +352,7 @@ class HeadLearner:
 
     def _swap(self, cand: float, live: float) -> None:
         """The candidate's weights into the heads the drafters use (between steps: this is the engine thread);
-        the disk writes go to the writer's thread."""
+        the heads are written later, in slices (_put_heads)."""
         self.live = clone_heads(self.candidate, self.model)
         installed = clone_heads(self.candidate, self.model).to(dtype=self.model.dtype).eval().requires_grad_(False)
         prepack(installed)
@@ -313,82 +360,47 @@ class HeadLearner:
             d.heads = installed
         self.stats.swaps += 1
         self.stats.score = round(cand, 4)
-        self.unsaved = (self.live, self.stats.steps)  # never changed after this: the writer may read it
+        self.unsaved = (self.live, self.stats.steps)  # never changed after this: its write may take several units
         if time.monotonic() - self.written["heads"] >= HEADS_EVERY_S:
             self._put_heads()
         self.say(f"heads updated: {live:.3f} -> {cand:.3f} accepted draft tokens per step on {len(self.heldout)} "
                  f"held-out answers ({self.stats.steps} training steps, {self.stats.answers} answers)")
 
     def _put_heads(self) -> None:
+        """DIR/heads replaced whole: written to DIR/heads.new, then renamed over it (ensure_heads takes back
+        DIR/heads.old if a crash falls between the two renames)."""
         heads, steps = self.unsaved
-        self.writer.put("heads", lambda: self._write_heads(heads, steps))
+        new, old, final = self.dir / f"{HEADS}.new", self.dir / f"{HEADS}.old", self.dir / HEADS
+
+        def swap_in():
+            cfg = heads_config(heads, self.base_name, base_fingerprint=self.fingerprint, trained_on=steps)
+            (new / "config.json").write_text(json.dumps(cfg, indent=1))
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+            new.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(new, ignore_errors=True)
+        self.writes.append(ChunkedWrite(new / "heads.safetensors", heads_state(heads), then=swap_in))
         self.unsaved, self.written["heads"] = None, time.monotonic()
 
-    def _write_heads(self, heads, steps: int) -> None:
-        """DIR/heads replaced whole: written beside it, then renamed over it (ensure_heads takes back DIR/heads.old
-        if a crash falls between the two renames)."""
-        new, old, final = self.dir / f"{HEADS}.new", self.dir / f"{HEADS}.old", self.dir / HEADS
-        shutil.rmtree(new, ignore_errors=True)
-        save_heads(heads, new, base_model=self.base_name, base_fingerprint=self.fingerprint, trained_on=steps)
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        new.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-
     def _save_state(self) -> None:
-        """The candidate, its optimizer and the counts, copied now and written by the writer's thread."""
-        snap = {"candidate": {k: v.detach().clone() for k, v in self.candidate.state_dict().items()},
-                "opt": copy.deepcopy(self.opt.state_dict()), "passes": {row["id"]: n for row, n in self.pool},
+        """The candidate, its optimizer and the counts, written in slices before the next training step."""
+        if any(w.path.name == STATE for w in self.writes):
+            return
+        opt = self.opt.state_dict()
+        tensors = {f"candidate.{k}": v for k, v in self.candidate.state_dict().items()}
+        tensors.update({f"opt.{i}.{k}": v for i, st in opt["state"].items() for k, v in st.items()})
+        meta = {"param_groups": opt["param_groups"], "passes": {row["id"]: n for row, n in self.pool},
                 "stats": asdict(self.stats)}
-
-        def write():
-            tmp = self.dir / f"{STATE}.tmp"
-            torch.save(snap, tmp)
-            tmp.replace(self.dir / STATE)
-        self.writer.put("state", write)
+        self.writes.append(ChunkedWrite(self.dir / STATE, tensors, {k: json.dumps(v) for k, v in meta.items()}))
         self.written["state"] = time.monotonic()
 
-    def close(self, timeout: float = 60.0) -> bool:
-        """Write what is not on disk yet (the heads in use, the learning state) and wait for it (at shutdown)."""
+    def close(self) -> None:
+        """Write what is not on disk yet (the heads in use, the learning state), whole (at shutdown)."""
         if self.unsaved is not None:
             self._put_heads()
         if self.stats.steps:
             self._save_state()
-        return self.writer.flush(timeout)
-
-
-class DiskWriter:
-    """Runs writes in a thread of its own, one after another, so that the engine's thread never waits for the
-    disk; a write of a kind not yet started is replaced by a newer one of that kind. A failing write is
-    reported through ``say``; the learning goes on."""
-
-    def __init__(self, say=print):
-        self.say, self.jobs, self.busy = say, {}, False
-        self.cv = threading.Condition()
-        threading.Thread(target=self._run, name="hydraspec-learn-disk", daemon=True).start()
-
-    def put(self, kind: str, job) -> None:
-        with self.cv:
-            self.jobs.pop(kind, None)
-            self.jobs[kind] = job
-            self.cv.notify_all()
-
-    def flush(self, timeout: float) -> bool:
-        with self.cv:
-            return self.cv.wait_for(lambda: not self.jobs and not self.busy, timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self.cv:
-                self.cv.wait_for(lambda: self.jobs)
-                kind = next(iter(self.jobs))
-                job = self.jobs.pop(kind)
-                self.busy = True
-            try:
-                job()
-            except Exception as e:  # a full disk must not stop the learning or the serving
-                self.say(f"could not write the learned {kind} ({type(e).__name__}: {e})")
-            with self.cv:
-                self.busy = False
-                self.cv.notify_all()
+        while self.writes:
+            self.writes.popleft().run()
