@@ -9,12 +9,17 @@ one line per run given to --plot.
     python benchmarks/learn_replay.py --base http://127.0.0.1:8011 --prompts P1.jsonl P2.jsonl --limit 300 \\
         --gap 1.0 --out learn-on.jsonl
     python benchmarks/learn_replay.py --plot learn-on.jsonl learn-off.jsonl --png learn.png
+    python benchmarks/learn_replay.py --compare learn-on.jsonl learn-off.jsonl
+
+--compare prints a markdown table by blocks of requests (tokens per forward, time to first token, decoding
+speed, the learning state) and the paired differences of the time to first token, request by request.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import statistics
 import time
 
 import httpx
@@ -95,6 +100,40 @@ def plot(paths: list[str], png: str, window: int) -> None:
     fig.savefig(png, dpi=120)
 
 
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def compare(on_path: str, off_path: str, block: int) -> None:
+    """The two replays side by side (the same requests in the same order)."""
+    on, off = ([json.loads(line) for line in open(p)] for p in (on_path, off_path))
+    n = min(len(on), len(off))
+    print("| requests | tokens per forward, learning / not | TTFT p50 s, learning / not | TTFT p90 | TTFT max | "
+          "decoding tokens/s (median), learning / not | held-out score | swaps |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for a in range(0, n, block):
+        x, y = on[a:a + block], off[a:a + block]
+        tpf = [sum(r["tokens"] for r in c) / max(1, sum(r["forwards"] for r in c)) for c in (x, y)]
+        t = [[r["ttft"] for r in c] for c in (x, y)]
+        dec = [statistics.median(r["decode_tok_s"] for r in c if r["decode_tok_s"]) for c in (x, y)]
+        lrn = x[-1].get("learning") or {}
+        print(f"| {a + 1}-{a + len(x)} | {tpf[0]:.2f} / {tpf[1]:.2f} | {quantile(t[0], .5):.3f} / {quantile(t[1], .5):.3f} "
+              f"| {quantile(t[0], .9):.3f} / {quantile(t[1], .9):.3f} | {max(t[0]):.3f} / {max(t[1]):.3f} "
+              f"| {dec[0]:.1f} / {dec[1]:.1f} | {lrn.get('score', 0):.3f} | {lrn.get('swaps', 0)} |")
+    t_on, t_off = [r["ttft"] for r in on[:n]], [r["ttft"] for r in off[:n]]
+    diff = [a - b for a, b in zip(t_on, t_off)]
+    same = sum(a["text"] == b["text"] for a, b in zip(on, off))
+    print(f"\n{n} requests, {same} answers identical")
+    for name, xs in (("learning", t_on), ("not", t_off)):
+        print(f"TTFT {name}: p50 {quantile(xs, .5):.3f} p90 {quantile(xs, .9):.3f} p99 {quantile(xs, .99):.3f} "
+              f"max {max(xs):.3f} mean {statistics.mean(xs):.3f} s")
+    print(f"paired TTFT difference (learning - not): p1 {quantile(diff, .01):+.3f} p10 {quantile(diff, .1):+.3f} "
+          f"p50 {quantile(diff, .5):+.3f} p90 {quantile(diff, .9):+.3f} p99 {quantile(diff, .99):+.3f} "
+          f"max {max(diff):+.3f} s; slower in {sum(d > 0 for d in diff)} of {n}, by more than 0.1 s in "
+          f"{sum(d > 0.1 for d in diff)}, faster by more than 0.1 s in {sum(d < -0.1 for d in diff)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="http://127.0.0.1:8011")
@@ -107,8 +146,12 @@ def main() -> None:
     p.add_argument("--plot", nargs="+", help="replay files to plot (no requests sent)")
     p.add_argument("--png", default="replay.png")
     p.add_argument("--window", type=int, default=30)
+    p.add_argument("--compare", nargs=2, metavar=("LEARNING", "NOT"), help="two replay files to compare")
+    p.add_argument("--block", type=int, default=50, help="requests per row of --compare's table")
     args = p.parse_args()
-    if args.plot:
+    if args.compare:
+        compare(*args.compare, args.block)
+    elif args.plot:
         plot(args.plot, args.png, args.window)
     else:
         replay(args)
