@@ -25,9 +25,10 @@ typedef struct { int32_t* xq; float* sx; int32_t* xs; float* mxs; } gguf_rows;
 
 static inline void free_gguf_rows(gguf_rows* r) { free(r->xq); free(r->sx); free(r->xs); free(r->mxs); }
 
-/* One group of G bf16 inputs -> int8 codes (round half to even), returns the scale; *sum gets the code sum.
+/* One group of G bf16 inputs (G a multiple of 4) -> int8 codes (round half to even), returns the scale; *sum
+   gets the code sum. Inputs 4p .. 4p+3 go to the int32 word words[p * stride] (a row block's interleaving).
    Eight lanes at a time with AVX2 (both builds have it): the same divisions and roundings as one at a time. */
-static inline float quantize_group(const uint16_t* x, int64_t G, int8_t* codes, int32_t* sum) {
+static inline float quantize_group(const uint16_t* x, int64_t G, int32_t* words, int64_t stride, int32_t* sum) {
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     __m256 m = _mm256_setzero_ps();
     int64_t i = 0;
@@ -47,22 +48,29 @@ static inline float quantize_group(const uint16_t* x, int64_t G, int8_t* codes, 
     const __m256 sv = _mm256_set1_ps(s);
     const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
     __m256i acc = _mm256_setzero_si256();
-    int32_t q8[8];
     for (i = 0; i + 8 <= G; i += 8) {
         __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
         __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_castsi256_ps(u), sv)); /* round half to even */
         q = _mm256_max_epi32(_mm256_min_epi32(q, hi), lo);
         acc = _mm256_add_epi32(acc, q);
-        _mm256_storeu_si256((__m256i*)q8, q);
-        for (int t = 0; t < 8; t++) codes[i + t] = (int8_t)q8[t];
+        /* eight int32 in [-127, 127] -> eight int8, in order: two words */
+        const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        const __m128i b8 = _mm_packs_epi16(h16, h16);
+        words[(i / 4) * stride] = _mm_cvtsi128_si32(b8);
+        words[(i / 4 + 1) * stride] = _mm_extract_epi32(b8, 1);
     }
+    int32_t q8[8];
     _mm256_storeu_si256((__m256i*)q8, acc);
     int32_t total = q8[0] + q8[1] + q8[2] + q8[3] + q8[4] + q8[5] + q8[6] + q8[7];
-    for (int64_t k = i; k < G; k++) {
-        int q = _mm_cvtss_si32(_mm_set_ss(bf2f(x[k]) / s));
-        q = q > 127 ? 127 : (q < -127 ? -127 : q);
-        codes[k] = (int8_t)q;
-        total += q;
+    for (int64_t k = i; k < G; k += 4) { /* a last half vector of four */
+        uint32_t w = 0;
+        for (int t = 0; t < 4; t++) {
+            int q = _mm_cvtss_si32(_mm_set_ss(bf2f(x[k + t]) / s));
+            q = q > 127 ? 127 : (q < -127 ? -127 : q);
+            w |= (uint32_t)(uint8_t)(int8_t)q << (8 * t);
+            total += q;
+        }
+        words[(k / 4) * stride] = (int32_t)w;
     }
     *sum = total;
     return s;
@@ -77,32 +85,34 @@ static inline void row_block(int64_t n, int64_t nb, int64_t rb, int64_t* first, 
 }
 
 /* x [n, in] bf16 (in a multiple of G, G a multiple of 4) -> the row blocks of row_block, each row's codes
-   interleaved by 4 inputs within its block. 0, or -1 out of memory. */
-static int make_gguf_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t G, int64_t nb, gguf_rows* r) {
+   interleaved by 4 inputs within its block; the rows on the threads when there is enough work. 0, or -1 out
+   of memory. */
+static int make_gguf_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t G, int64_t nb, gguf_rows* r,
+                          int nthreads) {
     int64_t nrb = (n + nb - 1) / nb, in4 = in / 4, ng = in / G;
     r->xq = (int32_t*)malloc((size_t)(n * in4) * sizeof(int32_t));
     r->sx = (float*)malloc((size_t)(n * ng) * sizeof(float));
     r->xs = (int32_t*)malloc((size_t)(n * ng) * sizeof(int32_t));
     r->mxs = (float*)malloc((size_t)(n * ng) * sizeof(float));
-    int8_t* codes = (int8_t*)malloc((size_t)in);
-    if (!r->xq || !r->sx || !r->xs || !r->mxs || !codes) { free_gguf_rows(r); free(codes); return -1; }
-    for (int64_t rb = 0, first, nr; rb < nrb; rb++) {
-        row_block(n, nb, rb, &first, &nr);
-        for (int64_t j = 0; j < nr; j++) {
-            const uint16_t* x = xb + (first + j) * in;
-            for (int64_t g = 0; g < ng; g++) {
-                int32_t sum;
-                float s = quantize_group(x + g * G, G, codes + g * G, &sum);
-                int64_t at = first * ng + g * nr + j;
-                r->sx[at] = s;
-                r->xs[at] = sum;
-                r->mxs[at] = s * (float)sum;
-            }
-            if (nr == 1) memcpy(r->xq + first * in4, codes, (size_t)in);
-            else for (int64_t p = 0; p < in4; p++) memcpy(r->xq + first * in4 + p * nr + j, codes + 4 * p, 4);
+    if (!r->xq || !r->sx || !r->xs || !r->mxs) { free_gguf_rows(r); return -1; }
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(n * in >= 65536)
+    for (int64_t row = 0; row < n; row++) {
+        int64_t rb = 0, first = 0, nr = 1;
+        for (; rb < nrb; rb++) {
+            row_block(n, nb, rb, &first, &nr);
+            if (row < first + nr) break;
+        }
+        const int64_t j = row - first;
+        const uint16_t* x = xb + row * in;
+        for (int64_t g = 0; g < ng; g++) {
+            int32_t sum;
+            float s = quantize_group(x + g * G, G, r->xq + first * in4 + (g * G / 4) * nr + j, nr, &sum);
+            int64_t at = first * ng + g * nr + j;
+            r->sx[at] = s;
+            r->xs[at] = sum;
+            r->mxs[at] = s * (float)sum;
         }
     }
-    free(codes);
     return 0;
 }
 
@@ -126,7 +136,7 @@ typedef void (*gguf_tile)(const gguf_call* c, const gguf_rows* q, int64_t b, int
 
 static int run_gguf(const uint16_t* xb, int64_t n, int64_t nb, const gguf_call* c, gguf_tile tile, int nthreads) {
     gguf_rows q;
-    if (make_gguf_rows(xb, n, c->in, c->G, nb, &q)) return -1;
+    if (make_gguf_rows(xb, n, c->in, c->G, nb, &q, nthreads)) return -1;
     int64_t nrb = (n + nb - 1) / nb, nblk = (c->out + OB - 1) / OB;
     hs_schedule(nblk, nthreads);
     #pragma omp parallel for schedule(runtime) num_threads(nthreads)
