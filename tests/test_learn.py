@@ -43,13 +43,13 @@ def drafter_in(directory):
     return make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(), tree=cfg["default_tree"])
 
 
-def learner(directory, drafter, monkeypatch) -> HeadLearner:
+def learner(directory, drafter, monkeypatch, warm: bool = True) -> HeadLearner:
     monkeypatch.setattr(learn, "EVAL_EVERY", 8)
     monkeypatch.setattr(learn, "HELDOUT", 0.2)
     monkeypatch.setattr(learn, "PASSES", 6)  # a few answers, seen more often than a server's many
     monkeypatch.setattr(learn, "LR", 3e-3)
     model, _ = model_and_tok()
-    return HeadLearner(model, directory, head_drafters(drafter), base_name="tiny", say=lambda m: None)
+    return HeadLearner(model, directory, head_drafters(drafter), base_name="tiny", say=lambda m: None, warm=warm)
 
 
 def learn_all(lr: HeadLearner, limit: int = 2000) -> int:
@@ -175,9 +175,7 @@ def test_the_warm_up_before_serving_learns_nothing(tmp_path, monkeypatch):
     saved = load_file(str(tmp_path / "heads" / "heads.safetensors"))
     trained = []
     for warm in (True, False):
-        if not warm:
-            monkeypatch.setattr(HeadLearner, "_warm", lambda self: None)
-        lr = learner(tmp_path, drafter_in(tmp_path), monkeypatch)
+        lr = learner(tmp_path, drafter_in(tmp_path), monkeypatch, warm=warm)
         if warm:
             assert all(torch.equal(saved[k], v) for k, v in lr.candidate.state_dict().items())
         for row in rows:
@@ -216,7 +214,7 @@ def test_the_learner_writes_in_slices_between_other_units(tmp_path, monkeypatch)
         lr.add(row)
     for _ in range(3):
         lr.work()
-    lr._save_state()
+    lr.save_state()
     steps, units = lr.stats.steps, 0
     while lr.writes:
         assert lr.work() and lr.stats.steps == steps

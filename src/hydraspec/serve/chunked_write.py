@@ -40,8 +40,7 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
 
 class ChunkedWrite:
     """Writes ``tensors`` (and string ``metadata``) to ``path`` as a safetensors file, ``chunk`` bytes a step
-    (None: CHUNK_BYTES);
-    ``then()`` runs after the rename (the last step)."""
+    (None: CHUNK_BYTES); ``then()`` runs after the rename (the last step)."""
 
     def __init__(self, path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
                  chunk: int | None = None, then=None):

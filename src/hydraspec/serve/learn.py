@@ -39,9 +39,9 @@ from ..features import features
 from ..heads import base_fingerprint, build_heads, heads_config, heads_state, saved_heads
 from ..train.data import load_answers
 from ..train.losses import heads_loss
-from .chunked_write import ChunkedWrite
 from ..train.trainer import BaseOutputs, accuracy, autocast_dtype, eval_counts, fused_options, is_heldout, \
     teacher_logits
+from .chunked_write import ChunkedWrite
 
 
 HELDOUT = 0.1  # the share of answers kept out of training to score the heads on
@@ -162,9 +162,10 @@ def head_drafters(drafter) -> list:
 
 class HeadLearner:
     """Trains the heads that ``drafters`` (HeadDrafters sharing one heads module) use, from the answers in
-    ``directory``/answers.jsonl and those :meth:`add` hands it; see the module doc."""
+    ``directory``/answers.jsonl and those :meth:`add` hands it; see the module doc. ``warm``: do a training
+    step's first-time work now, learning nothing (:meth:`_warm`), rather than in the first unit."""
 
-    def __init__(self, model, directory, drafters: list, base_name: str = "", say=print):
+    def __init__(self, model, directory, drafters: list, base_name: str = "", say=print, warm: bool = True):
         self.model, self.dir, self.drafters, self.base_name = model, Path(directory), drafters, base_name
         self.say = say
         model.requires_grad_(False)  # gradients reach the heads only (not the embeddings the heads look up)
@@ -180,7 +181,8 @@ class HeadLearner:
         self.fingerprint, self.chores, self.writes = base_fingerprint(model), deque(), deque()
         self.unsaved, self.written = None, {"heads": float("-inf"), "state": time.monotonic()}
         passes = self._resume()
-        self._warm()
+        if warm:  # (off only to compare with a cold start)
+            self._warm()
         for row in load_answers(self.dir / "answers.jsonl") if (self.dir / "answers.jsonl").exists() else []:
             self.add(row, passes.get(row["id"], 0))
 
@@ -204,10 +206,8 @@ class HeadLearner:
         return meta["passes"]
 
     def _warm(self) -> None:
-        """A training step's first-time work done before the server starts: a step on a made-up answer whose
-        gradients are zero and learning rate 0, then the optimizer's step count set back, so that nothing is
-        learnt (a fresh optimizer's state is zeros and step 0) and the first real step takes as long as the
-        next (it took five times longer on Qwen2.5-Coder-1.5B)."""
+        """A training step's first-time work done before the server starts, on a made-up answer, learning
+        nothing (the first real step took five times longer than the next on Qwen2.5-Coder-1.5B)."""
         fresh = not self.opt.state
         ids = torch.arange(3, 3 + MIN_PROMPT, device=self.model.device)
         dim = self.model.config.get_text_config(decoder=True).hidden_size
@@ -218,18 +218,27 @@ class HeadLearner:
                 return
             loss.backward()
             if fresh:
-                lrs = [g["lr"] for g in self.opt.param_groups]
-                for g in self.opt.param_groups:
-                    g["lr"] = 0.0
-                for p in self.candidate.parameters():
-                    if p.grad is not None:
-                        p.grad.zero_()
-                self.opt.step()
-                for g, lr in zip(self.opt.param_groups, lrs):
-                    g["lr"] = lr
-                for st in self.opt.state.values():
-                    st["step"].zero_() if torch.is_tensor(st["step"]) else st.update(step=0)
+                self._fresh_optimizer_state()
             self.opt.zero_grad()
+
+    def _fresh_optimizer_state(self) -> None:
+        """The optimizer's state made now, as its first step would make it: a step with zero gradients and a
+        learning rate of 0 (the weights stay as they are), then its step count set back to 0, so the state is
+        a fresh one's (zero moments, step 0) and the next step computes what a first step does."""
+        lrs = [g["lr"] for g in self.opt.param_groups]
+        for g in self.opt.param_groups:
+            g["lr"] = 0.0
+        for p in self.candidate.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        self.opt.step()
+        for g, lr in zip(self.opt.param_groups, lrs):
+            g["lr"] = lr
+        for st in self.opt.state.values():
+            if torch.is_tensor(st["step"]):
+                st["step"].zero_()
+            else:
+                st["step"] = 0
 
     def add(self, row: dict, passes: int = 0, hidden: torch.Tensor | None = None) -> None:
         """A finished answer {"id", "prompt_ids", "answer_ids"}: to the held-out set or the training pool.
@@ -348,7 +357,7 @@ class HeadLearner:
         if cand >= live + MIN_GAIN:
             self.chores.append(lambda: self._swap(cand, live))
         if time.monotonic() - self.written["state"] >= STATE_EVERY_S:
-            self.chores.append(self._save_state)
+            self.chores.append(self.save_state)
 
     def _swap(self, cand: float, live: float) -> None:
         """The candidate's weights into the heads the drafters use (between steps: this is the engine thread);
@@ -384,8 +393,8 @@ class HeadLearner:
         self.writes.append(ChunkedWrite(new / "heads.safetensors", heads_state(heads), then=swap_in))
         self.unsaved, self.written["heads"] = None, time.monotonic()
 
-    def _save_state(self) -> None:
-        """The candidate, its optimizer and the counts, written in slices before the next training step."""
+    def save_state(self) -> None:
+        """The candidate, its optimizer and the counts to be written, in slices, before the next training step."""
         if any(w.path.name == STATE for w in self.writes):
             return
         opt = self.opt.state_dict()
@@ -401,6 +410,6 @@ class HeadLearner:
         if self.unsaved is not None:
             self._put_heads()
         if self.stats.steps:
-            self._save_state()
+            self.save_state()
         while self.writes:
             self.writes.popleft().run()
