@@ -223,6 +223,23 @@ def test_the_learner_writes_in_slices_between_other_units(tmp_path, monkeypatch)
     assert lr.work() and lr.stats.steps == steps + 1
 
 
+def test_heads_written_again_while_their_last_write_is_under_way_end_up_whole(tmp_path, monkeypatch):
+    """close() can queue the heads while an earlier write of them is half done: both finish, the newer last."""
+    model, _ = model_and_tok()
+    ensure_heads(tmp_path / "heads", model, "hydra", "tiny")
+    lr = learner(tmp_path, drafter_in(tmp_path), monkeypatch)
+    monkeypatch.setattr(chunked_write, "CHUNK_BYTES", 4096)
+    lr.unsaved = (lr.live, 1)
+    lr._put_heads()
+    assert lr.work() and lr.work() and lr.writes  # the first write under way
+    lr.unsaved = (lr.live, 2)
+    lr.close()
+    assert not (tmp_path / "heads.new").exists()
+    assert json.loads((tmp_path / "heads" / "config.json").read_text())["trained_on"] == 2
+    saved = load_file(str(tmp_path / "heads" / "heads.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in lr.live.state_dict().items())
+
+
 def test_heads_whose_replacement_was_cut_off_between_its_renames_are_taken_back(tmp_path):
     model, _ = model_and_tok()
     torch.manual_seed(0)

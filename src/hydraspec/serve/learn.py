@@ -377,7 +377,8 @@ class HeadLearner:
 
     def _put_heads(self) -> None:
         """DIR/heads replaced whole: written to DIR/heads.new, then renamed over it (ensure_heads takes back
-        DIR/heads.old if a crash falls between the two renames)."""
+        DIR/heads.old if a crash falls between the two renames). What a crash left in DIR/heads.new is written
+        over, and a write queued behind another one of the heads starts once that one is in place."""
         heads, steps = self.unsaved
         new, old, final = self.dir / f"{HEADS}.new", self.dir / f"{HEADS}.old", self.dir / HEADS
 
@@ -389,7 +390,6 @@ class HeadLearner:
                 final.rename(old)
             new.rename(final)
             shutil.rmtree(old, ignore_errors=True)
-        shutil.rmtree(new, ignore_errors=True)
         self.writes.append(ChunkedWrite(new / "heads.safetensors", heads_state(heads), then=swap_in))
         self.unsaved, self.written["heads"] = None, time.monotonic()
 
