@@ -11,8 +11,18 @@ answer, which is what greedy speculative decoding accepts) and records the mean 
     python benchmarks/learning_curve.py --out curve/ --plot-only
 
 Sources: `answers` (self-distilled answers: each token cost a decoding step, `--datagen-tok-s` tokens per
-second measured apart) and `text` (rows read at prefill speed, soft targets from the base: no data cost
-beyond the training's own base forward). CPU-hours = wall time x `--cores` (the run uses every core).
+second measured apart), `draft` (answers a smaller model with the same tokenizer wrote, which the base reads
+at prefill speed, e.g. `train-heads --answers-model`: `--draft-datagen-tok-s` for their cost) and `text` (rows
+read at prefill speed, soft targets from the base: no data cost beyond the training's own base forward).
+CPU-hours = wall time x `--cores` (the run uses every core).
+
+A GGUF model (an offline name) runs at the file's precision by default (`--quant gguf`: one model trains and
+replays); `--quant none` dequantizes it (bf16 to train, float32 to replay) as for SmolLM2.
+
+    python benchmarks/learning_curve.py --model qwen2.5-coder-1.5b-instruct --answers target/answers.jsonl \
+        --draft-answers draft/answers.jsonl --points answers:hydra++:8000,16000,32000 \
+        draft:hydra++:8000,16000,32000 --eval-prompts benchmarks/prompts/everyday.jsonl --eval-skip 6 \
+        --eval-limit 2 --out curve-qwen/
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ from pathlib import Path
 import torch
 
 from hydraspec.bench.prompts import load_questions
+from hydraspec.errors import HydraspecError
 from hydraspec.heads import DEFAULT_TREE, load_heads
 from hydraspec.models import load_model
 from hydraspec.train import train_heads
@@ -48,16 +59,31 @@ def subset(rows: list[dict], tokens: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def eval_sequences(model, tok, prompts: list[str], limit: int, max_new: int, path: Path):
+def eval_sequences(model, tok, prompts: list[str], limit: int, max_new: int, path: Path, skip: int = 0):
     if path.exists():
         return [tuple(x) for x in json.loads(path.read_text())]
-    qs = load_questions(prompts, limit=limit)
+    qs = load_questions(prompts, limit=limit, skip=skip)
     from hydraspec.inputs import encode_prompt
 
     ids = [encode_prompt(tok, [{"role": "user", "content": q.turns[0]}]) for q in qs]
     seqs = greedy_sequences(model, tok, ids, max_new)
     path.write_text(json.dumps(seqs))
     return seqs
+
+
+def models_for(name: str, quant: str | None):
+    """(model to train on, model to replay with, tokenizer): one model at a GGUF file's precision, else the
+    dequantized weights in bf16 and float32."""
+    if quant != "none":
+        try:
+            model, tok = load_model(name, device="cpu", quant="gguf", progress=False)
+            return model, model, tok
+        except HydraspecError:
+            if quant == "gguf":
+                raise
+    train_model, _ = load_model(name, dtype="bfloat16", device="cpu", quant="none", progress=False)
+    eval_model, tok = load_model(name, dtype="float32", device="cpu", quant="none", progress=False)
+    return train_model, eval_model, tok
 
 
 def tokens_per_step(model, heads_dir: str, seqs, tree) -> tuple[float, float]:
@@ -75,7 +101,7 @@ def tokens_per_step(model, heads_dir: str, seqs, tree) -> tuple[float, float]:
     return toks / max(1, steps), top1
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, model: str = "SmolLM2-135M-Instruct") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,7 +113,7 @@ def plot(results: list[dict], path: Path) -> None:
         groups.setdefault((r["kind"], r["source"]), []).append(r)
     for (kind, source), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["train_tokens"])
-        style = "-o" if source == "answers" else "--s"
+        style = {"answers": "-o", "draft": "-.^"}.get(source, "--s")
         label = f"{kind}, {source}"
         ax[0].plot([r["train_tokens"] for r in rs], [r["tokens_per_step"] for r in rs], style, label=label)
         ax[1].plot([r["cpu_hours"] for r in rs], [r["tokens_per_step"] for r in rs], style, label=label)
@@ -101,7 +127,7 @@ def plot(results: list[dict], path: Path) -> None:
         a.set_ylabel("held-out tokens per verify step")
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=8)
-    fig.suptitle("Draft heads of SmolLM2-135M-Instruct: learning curves (greedy replay, default 7-node tree)")
+    fig.suptitle(f"Draft heads of {model}: learning curves (greedy replay, default 7-node tree)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -120,7 +146,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--answers", help="self-distilled answers (jsonl)")
+    ap.add_argument("--draft-answers", help="answers a smaller model wrote (jsonl, train-heads --answers-model)")
     ap.add_argument("--text-rows", help="text rows (jsonl, hydraspec.train.text_data)")
+    ap.add_argument("--quant", choices=("gguf", "none"), default=None,
+                    help="gguf: the file's precision (default for offline GGUF names); none: dequantized")
     ap.add_argument("--points", nargs="*", default=[], metavar="SOURCE:KINDS:TOKENS",
                     help="e.g. answers:medusa,hydra:25000,50000 (kinds: medusa, hydra, hydra++, eagle, eagle3)")
     ap.add_argument("--epochs", type=int, default=2)
@@ -129,10 +158,13 @@ def main() -> int:
     ap.add_argument("--eagle-steps", type=int, default=2, help="eagle, eagle3: training-time-test depth")
     ap.add_argument("--eval-prompts", nargs="+", default=[f"../shared/data/prompts/{n}.jsonl"
                                                           for n in ("humaneval", "alpaca", "sharegpt")])
-    ap.add_argument("--eval-limit", type=int, default=5, help="held-out questions 0 .. N-1 of each category")
+    ap.add_argument("--eval-limit", type=int, default=5, help="held-out questions of each category, after --eval-skip")
+    ap.add_argument("--eval-skip", type=int, default=0, help="leave out each category's first N questions")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--datagen-tok-s", type=float, default=0.0,
                     help="measured self-distillation answer tokens per second (for the answers' data cost)")
+    ap.add_argument("--draft-datagen-tok-s", type=float, default=0.0,
+                    help="measured tokens per second of the draft source's answers, base read included")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot and print the table, train nothing")
@@ -142,15 +174,15 @@ def main() -> int:
     res_path = out / "results.jsonl"
     results = [json.loads(line) for line in res_path.read_text().splitlines()] if res_path.exists() else []
     if args.plot_only:
-        plot(results, out / "learning_curve.png")
+        plot(results, out / "learning_curve.png", args.model)
         print(table(results))
         return 0
     torch.set_num_threads(args.cores)
-    train_model, _ = load_model(args.model, dtype="bfloat16", device="cpu", quant="none", progress=False)
-    eval_model, tok = load_model(args.model, dtype="float32", device="cpu", quant="none", progress=False)
+    train_model, eval_model, tok = models_for(args.model, args.quant)
     seqs = eval_sequences(eval_model, tok, args.eval_prompts, args.eval_limit, args.max_new_tokens,
-                          out / "eval_sequences.json")
-    sources = {"answers": args.answers, "text": args.text_rows}
+                          out / "eval_sequences.json", args.eval_skip)
+    sources = {"answers": args.answers, "draft": args.draft_answers, "text": args.text_rows}
+    gen_tok_s = {"answers": args.datagen_tok_s, "draft": args.draft_datagen_tok_s}
     done = {(r["source"], r["kind"], r["data_tokens_asked"]) for r in results}
     for spec in args.points:
         source, kinds, budgets = spec.split(":")
@@ -189,7 +221,7 @@ def main() -> int:
                             eagle={"steps": args.eagle_steps} if eagle else None)
                 train_s = time.perf_counter() - t0
                 tps, top1 = tokens_per_step(eval_model, str(heads_dir), seqs, DEFAULT_TREE)
-                data_s = n_tok / args.datagen_tok_s if source == "answers" and args.datagen_tok_s else 0.0
+                data_s = n_tok / gen_tok_s[source] if gen_tok_s.get(source) else 0.0
                 rec = {"source": source, "kind": kind, "data_tokens_asked": budget, "data_tokens": n_tok,
                        "rows": len(part), "epochs": args.epochs, "train_tokens": n_tok * args.epochs,
                        "train_s": round(train_s, 1), "data_s": round(data_s, 1),
@@ -199,7 +231,7 @@ def main() -> int:
                 with res_path.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
                 results.append(rec)
-                plot(results, out / "learning_curve.png")
+                plot(results, out / "learning_curve.png", args.model)
     return 0
 
 

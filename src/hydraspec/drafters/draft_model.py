@@ -292,7 +292,8 @@ class DraftModelDrafter(Drafter):
             for p, children in kids.items():
                 lg = row_of[p]
                 if greedy:
-                    top = torch.topk(lg, max(ranks[c] for c in children) + 1).indices.tolist()
+                    most = max(ranks[c] for c in children) + 1
+                    top = [int(lg.argmax())] if most == 1 else torch.topk(lg, most).indices.tolist()
                     for c in children:
                         tokens[c] = top[ranks[c]]
                 else:
