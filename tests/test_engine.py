@@ -529,6 +529,35 @@ def test_draft_model_prefills_its_prompt_at_start(tok):
     assert tree.tokens.tolist() == run(draft, tok, None, prompt, 3).token_ids
 
 
+@pytest.mark.parametrize("pool", [0, 4096])
+def test_draft_model_reads_only_what_follows_a_prefix_it_has_seen(pool, tok):
+    """A chat's next turn (the last prompt and answer, then a new message): the draft model starts from its
+    keys and values of the finished sequence and reads only the rest; with the pool off it reads it all.
+    Either way the answer is plain greedy decoding's."""
+    family, attn, seed = CASES[2]
+    model, draft = tiny.cached_model(family, attn, seed), draft_for(family, attn, seed)
+    d = DraftModelDrafter(draft, widths=[2, 1], pool_tokens=pool)
+    gen = SpeculativeGenerator(model, tok, d)
+    first = prompts_for(seed)[2]
+    answer = gen.generate(input_ids=first, max_new_tokens=10).token_ids
+    second = first + answer + [5, 6, 7, 8]
+    from hydraspec.drafters.base import DecodeState
+    from hydraspec.sampling import Sampling
+    waiting = DecodeState(tokens=list(second), prompt_len=len(second), sampling=Sampling())
+    assert (d.known(waiting) >= len(first)) == bool(pool)  # what a first try would not read (auto's estimate)
+    fed = []
+    hook = draft.register_forward_pre_hook(lambda mod, args, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        out = gen.generate(input_ids=second, max_new_tokens=10).token_ids
+    finally:
+        hook.remove()
+    assert out == run(model, tok, None, second, 10).token_ids
+    if pool:
+        assert d.reused >= len(first) and fed[0] <= len(second) - 1 - len(first)
+    else:
+        assert d.reused == 0 and fed[0] == len(second) - 1
+
+
 
 @pytest.mark.parametrize("confidence", [0.0, 0.3])
 def test_draft_leaves_keep_greedy_output_and_get_accepted(confidence, tok):

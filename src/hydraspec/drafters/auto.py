@@ -167,11 +167,14 @@ class AutoDrafter(Drafter):
         self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
 
     def _costly(self, name: str, rows: list[AutoRow], states: list[DecodeState]) -> list[DraftTree]:
-        """A costly drafter's proposals; the tokens it first reads to catch up are timed apart from them."""
-        gaps = sum(self._gap(r, s, name) for r, s in zip(rows, states))
+        """A costly drafter's proposals; the tokens it first reads to catch up (less those it takes from
+        earlier sequences: ``Drafter.reused``) are timed apart from them."""
+        d = self.drafters[name]
+        unseen, reused = sum(self._gap(r, s, name, pooled=False) for r, s in zip(rows, states)), reused_by(d)
         t0 = time.perf_counter()
-        trees = self.drafters[name].propose(states)
+        trees = d.propose(states)
         took, usual = time.perf_counter() - t0, self.seconds[name] * len(states)
+        gaps = max(0, unseen - (reused_by(d) - reused))  # what it read: not what it took from earlier sequences
         if gaps and usual and not self.read[name]:  # the first catch-up with a known usual cost: its rate
             self.read[name] = max(0.0, took - usual) / gaps
         elif self.read[name] or not gaps:
@@ -181,9 +184,12 @@ class AutoDrafter(Drafter):
             self.sizes[name] = 0.8 * self.sizes[name] + 0.2 * len(tree)
         return trees
 
-    def _gap(self, row: AutoRow, s: DecodeState, name: str) -> int:
-        """Tokens a costly drafter must read before it proposes, beyond a usual step's few."""
-        return max(0, len(s.tokens) - row.seen.get(name, 0) - round(self.sizes[name]) - 1)
+    def _gap(self, row: AutoRow, s: DecodeState, name: str, pooled: bool = True) -> int:
+        """Tokens a costly drafter must read before it proposes, beyond a usual step's few (on first use, with
+        ``pooled``, less those it expects to take from earlier sequences: ``Drafter.known``)."""
+        known = getattr(self.drafters[name], "known", None) if pooled else None  # drafters without it: 0
+        seen = row.seen[name] if name in row.seen else (known(s) if known is not None else 0)
+        return max(0, len(s.tokens) - seen - round(self.sizes[name]) - 1)
 
     def _choose(self, row: AutoRow, s: DecodeState, load: Load, offers: dict[str, DraftTree]) -> Choice:
         """The option with the most expected tokens per second of the batch on ``load`` (see the module
@@ -286,6 +292,11 @@ class AutoDrafter(Drafter):
             if m is not None:
                 self._count(row, n, m, len(tokens))
                 del row.shadows[n]
+
+
+def reused_by(drafter) -> int:
+    """``Drafter.reused`` (0 for a drafter without it)."""
+    return getattr(drafter, "reused", 0)
 
 
 def gain(rates: list[float], k: int) -> float:

@@ -80,6 +80,17 @@ class Drafter:
     def forget(self) -> None:
         """Drop what finished sequences left for later ones (earlier answers); sequences in flight keep theirs."""
 
+    @property
+    def reused(self) -> int:
+        """Tokens a drafter with a model of its own has taken from earlier sequences instead of reading them (a
+        running count; a paced drafter's catch-up costs only what it read)."""
+        return 0
+
+    def known(self, state: DecodeState) -> int:
+        """Of a sequence this drafter has not started on, the first tokens it would take from earlier sequences
+        instead of reading them (a paced drafter's estimate of a first try's cost)."""
+        return 0
+
     def step_took(self, rows: int, tokens: int, seconds: float) -> None:
         """The step's forward over ``rows`` rows (decoding and reading) and ``tokens`` new tokens took
         ``seconds`` (a paced drafter learns its cost)."""
@@ -94,10 +105,11 @@ R = TypeVar("R")
 
 class RowStates(Generic[R]):
     """A drafter's per-sequence state: ``of(state)`` makes it with ``make(state)`` at a sequence's first
-    proposal; entries of sequences that are done go at the next :meth:`of`'s sweep."""
+    proposal; entries of sequences that are done go at the next :meth:`of`'s sweep, each handed to
+    ``gone(state, entry)`` first where given."""
 
-    def __init__(self, make: Callable[[DecodeState], R]):
-        self.make = make
+    def __init__(self, make: Callable[[DecodeState], R], gone: Callable[[DecodeState, R], None] | None = None):
+        self.make, self.gone = make, gone
         self.rows: dict[int, tuple[DecodeState, R]] = {}
 
     def of(self, state: DecodeState) -> R:
@@ -109,7 +121,9 @@ class RowStates(Generic[R]):
 
     def sweep(self) -> None:
         for key in [k for k, (s, _) in self.rows.items() if s.done]:
-            del self.rows[key]
+            state, entry = self.rows.pop(key)
+            if self.gone is not None:
+                self.gone(state, entry)
 
     def get(self, state: DecodeState) -> R | None:
         got = self.rows.get(state.key)

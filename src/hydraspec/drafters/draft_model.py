@@ -5,8 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import new_cache
+from ..cache import allocate_rows, new_cache, set_length
 from ..errors import HydraspecError
+from ..prefix_pool import PrefixPool
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, load_tree_spec, parents_from_paths, shape_of, tree_stop
 from ..verify import check_supported, forward_nodes
@@ -41,6 +42,8 @@ def check_vocab(target_tok, draft_tok) -> None:
 DEFAULT_CONFIDENCE = 0.4  # the chain's stop: the draft's top probability below this ends a draft
 STOPS = ("token", "path")  # what the confidence stop tests: the next token's probability, or the whole chain's
 DEFAULT_LEAF_GAIN = 0.05  # a runner-up leaf must be estimated to add at least this many tokens per step
+POOL_TOKENS = 8192  # draft keys and values of earlier sequences kept (the 0.5B Qwen: 12 KB a token)
+MATCHES_KEPT = 256  # sequences whose pool prefix is remembered before they start drafting
 
 
 def log_top_prob(logits: torch.Tensor) -> torch.Tensor:
@@ -74,13 +77,16 @@ class DraftModelDrafter(Drafter):
     row and no draft forward; if the target rejects the chain token there but takes the leaf, the step
     emits one more token. Leaves are ranked by their estimated gain (the draft's probability of reaching
     the position times the leaf's probability) and kept when it is at least `leaf_gain`.
+    `pool_tokens` (tree modes): the draft model's keys and values of finished sequences are kept, up to this
+    many tokens (hydraspec.prefix_pool), and a new sequence starts from the longest prefix it shares with
+    one of them: a chat's next turn, or any prompt after the same system prompt, reads only the rest. 0: off.
     """
 
     name = "draft"
 
     def __init__(self, model, k: int = 5, dynamic: bool = True, widths: list[int] | None = None,
                  max_k: int = 16, confidence: float | None = None, tree=None, leaves: int = 0,
-                 leaf_gain: float = DEFAULT_LEAF_GAIN, stop: str = "token"):
+                 leaf_gain: float = DEFAULT_LEAF_GAIN, stop: str = "token", pool_tokens: int = POOL_TOKENS):
         check_supported(model)
         self.model = model
         if stop not in STOPS:
@@ -124,7 +130,9 @@ class DraftModelDrafter(Drafter):
         if self.leaves and (self.widths or self.tree_parents is not None):
             raise HydraspecError("draft leaves hang on the draft chain only, not on a tree")
         self.max_nodes += self.leaves
-        self.rows: RowStates[DraftSeq] = RowStates(self.start)
+        self.pool = PrefixPool(pool_tokens) if pool_tokens else None
+        self.matched: dict[int, int] = {}  # sequence key -> the pool's prefix of it, for sequences not started
+        self.rows: RowStates[DraftSeq] = RowStates(self.start, self._pool_row)
         self.batch = DraftBatch(self)
 
     def _capacity(self, capacity: int) -> int:
@@ -151,15 +159,46 @@ class DraftModelDrafter(Drafter):
     @torch.inference_mode()
     def start(self, state: DecodeState) -> DraftSeq:
         """A sequence's own draft cache, then the draft model's prefill of its prompt (all but the pending
-        token), so that the first proposal feeds one token like every later one."""
+        token) after what the pool holds of it, so that the first proposal feeds one token like every later
+        one."""
         row = DraftSeq(new_cache(self.model, self._capacity(capacity_of(state))), 0, self.k0)
+        allocate_rows(row.cache, self.model, 1)
+        self.matched.pop(state.key, None)
         toks = state.tokens
         if len(toks) > 1:
-            dev = self.model.device
-            forward_nodes(self.model, row.cache, torch.tensor(toks[:-1], dtype=torch.long, device=dev),
-                          torch.arange(len(toks) - 1, device=dev), None, 0, last_only=True)
+            have = self.pool.load(row.cache, 0, toks[:-1]) if self.pool is not None else 0
+            set_length(row.cache, have)
+            if have < len(toks) - 1:
+                dev = self.model.device
+                forward_nodes(self.model, row.cache, torch.tensor(toks[have:-1], dtype=torch.long, device=dev),
+                              torch.arange(have, len(toks) - 1, device=dev), None, have, last_only=True)
             row.n_cached = len(toks) - 1
         return row
+
+    def _pool_row(self, state: DecodeState, row: DraftSeq) -> None:
+        """A finished sequence's draft keys and values go to the pool (its first n_cached tokens)."""
+        if self.pool is not None and row.n_cached:
+            self.pool.store(row.cache, 0, state.tokens[:row.n_cached])
+
+    def forget(self) -> None:
+        """The pool's entries go, finished sequences not yet swept into it included."""
+        self.rows.sweep()
+        if self.pool is not None:
+            self.pool.clear()
+
+    @property
+    def reused(self) -> int:
+        return self.pool.hit_tokens if self.pool is not None else 0
+
+    def known(self, state: DecodeState) -> int:
+        if self.pool is None or self.rows.get(state) is not None:
+            return 0
+        if state.key not in self.matched:
+            self.rows.sweep()  # finished sequences into the pool first
+            if len(self.matched) >= MATCHES_KEPT:
+                del self.matched[next(iter(self.matched))]
+            self.matched[state.key] = self.pool.match(state.tokens[:-1])[0]
+        return self.matched[state.key]
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         """The draft model's top probability under these logits is below `confidence`."""
