@@ -127,6 +127,8 @@ def plot(results: list[dict], path: Path, model: str = "SmolLM2-135M-Instruct") 
         a.xaxis.set_minor_formatter(NullFormatter())
         a.set_ylabel("held-out tokens per verify step")
         a.grid(alpha=0.3)
+    ticks = {f"{r['train_tokens'] / 1000:.0f}k": r["train_tokens"] for r in results}  # one a size
+    ax[0].set_xticks(list(ticks.values()), list(ticks), fontsize=8)
     ax[0].legend(fontsize=8)
     fig.suptitle(f"Draft heads of {model}: learning curves (greedy replay, default 7-node tree)")
     fig.tight_layout()

@@ -23,14 +23,15 @@ not verified it is still scored against the tokens decoded next (greedy: exactly
 have accepted), so their estimates stay current at no cost. A drafter with a forward of its own is run only
 when chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could
 beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
-drafter with a forward of its own first reads every token it has not seen (on first use, the whole prompt),
-at its measured seconds per token read, and its step may give fewer tokens per second than the best
-option. The rows choose in turn (the most promising first) on the batch's expected tokens per second: with
-T tokens already in the step's forward (one a row, the prompt chunks read beside them, the drafts of the
-rows that chose before) and E tokens expected from it, a row's option is worth (E + its expected extra
-tokens) / (c(T + its nodes) + drafting seconds), plain decoding E / c(T): a draft that pays alone does not
-when others already fill the forward. A costly drafter's proposal is cut to the nodes that pay, as a cheap
-one's is. The output never depends on the choice: every proposal is verified by the target.
+drafter with a forward of its own first reads every token it has not seen (on first use, the prompt less what
+it takes from earlier sequences: ``Drafter.known``), at its measured seconds per token read, and its step
+may give fewer tokens per second than the best option. The rows choose in turn (the most promising first) on
+the batch's expected tokens per second: with T tokens already in the step's forward (one a row, the prompt
+chunks read beside them, the drafts of the rows that chose before) and E tokens expected from it, a row's
+option is worth (E + its expected extra tokens) / (c(T + its nodes) + drafting seconds), plain decoding
+E / c(T): a draft that pays alone does not when others already fill the forward. A costly drafter's proposal
+is cut to the nodes that pay, as a cheap one's is. The output never depends on the choice: every proposal is
+verified by the target.
 """
 from __future__ import annotations
 
