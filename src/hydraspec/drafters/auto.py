@@ -176,10 +176,11 @@ class AutoDrafter(Drafter):
         trees = d.propose(states)
         took, usual = time.perf_counter() - t0, self.seconds[name] * len(states)
         gaps = max(0, unseen - (reused_by(d) - reused))  # what it read: not what it took from earlier sequences
-        if gaps and usual and not self.read[name]:  # the first catch-up with a known usual cost: its rate
-            self.read[name] = max(0.0, took - usual) / gaps
-        elif self.read[name] or not gaps:
-            self._keep_seconds(name, max(0.0, took - self.read[name] * gaps) / len(states))
+        if gaps and usual:  # a catch-up with a known usual cost: what reading a token costs
+            rate = max(0.0, took - usual) / gaps
+            self.read[name] = 0.8 * self.read[name] + 0.2 * rate if self.read[name] else rate
+        elif not gaps:  # a usual proposal (one with a catch-up says nothing sure of it)
+            self._keep_seconds(name, took / len(states))
         for r, s, tree in zip(rows, states, trees):
             r.seen[name] = len(s.tokens)
             self.sizes[name] = 0.8 * self.sizes[name] + 0.2 * len(tree)
