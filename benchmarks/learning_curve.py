@@ -12,8 +12,7 @@ answer, which is what greedy speculative decoding accepts) and records the mean 
 
 Sources: `answers` (self-distilled answers: each token cost a decoding step, `--datagen-tok-s` tokens per
 second measured apart), `draft` (answers a smaller model with the same tokenizer wrote, which the base reads
-at prefill speed, e.g. `train-heads --answers-model`: `--draft-datagen-tok-s` for their cost), `mix` (rows of
-several sources in one file, `--mix-datagen-tok-s` their cost per token) and `text` (rows
+at prefill speed, e.g. `train-heads --answers-model`: `--draft-datagen-tok-s` for their cost) and `text` (rows
 read at prefill speed, soft targets from the base: no data cost beyond the training's own base forward).
 CPU-hours = wall time x `--cores` (the run uses every core).
 
@@ -21,8 +20,8 @@ A GGUF model (an offline name) runs at the file's precision by default (`--quant
 replays); `--quant none` dequantizes it (bf16 to train, float32 to replay) as for SmolLM2.
 
     python benchmarks/learning_curve.py --model qwen2.5-coder-1.5b-instruct --answers target/answers.jsonl \
-        --draft-answers draft/answers.jsonl --points answers:hydra++:8000,16000,32000 \
-        draft:hydra++:8000,16000,32000 --eval-prompts benchmarks/prompts/everyday.jsonl --eval-skip 6 \
+        --draft-answers draft/answers.jsonl --points answers:hydra++:6000,12000,25000 \
+        draft:hydra++:6000,12000,25000 --eval-prompts benchmarks/prompts/everyday.jsonl --eval-skip 6 \
         --eval-limit 2 --out curve-qwen/
 """
 from __future__ import annotations
@@ -114,7 +113,7 @@ def plot(results: list[dict], path: Path, model: str = "SmolLM2-135M-Instruct") 
         groups.setdefault((r["kind"], r["source"]), []).append(r)
     for (kind, source), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["train_tokens"])
-        style = {"answers": "-o", "draft": "-.^", "mix": ":D"}.get(source, "--s")
+        style = {"answers": "-o", "draft": "-.^"}.get(source, "--s")
         label = f"{kind}, {source}"
         ax[0].plot([r["train_tokens"] for r in rs], [r["tokens_per_step"] for r in rs], style, label=label)
         ax[1].plot([r["cpu_hours"] for r in rs], [r["tokens_per_step"] for r in rs], style, label=label)
@@ -150,7 +149,6 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--answers", help="self-distilled answers (jsonl)")
     ap.add_argument("--draft-answers", help="answers a smaller model wrote (jsonl, train-heads --answers-model)")
-    ap.add_argument("--mix-answers", help="a mix of answer sources (jsonl), e.g. the two files above joined")
     ap.add_argument("--text-rows", help="text rows (jsonl, hydraspec.train.text_data)")
     ap.add_argument("--quant", choices=("gguf", "none"), default=None,
                     help="gguf: the file's precision (default for offline GGUF names); none: dequantized")
@@ -169,7 +167,6 @@ def main() -> int:
                     help="measured self-distillation answer tokens per second (for the answers' data cost)")
     ap.add_argument("--draft-datagen-tok-s", type=float, default=0.0,
                     help="measured tokens per second of the draft source's answers, base read included")
-    ap.add_argument("--mix-datagen-tok-s", type=float, default=0.0, help="the same for the mix")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot and print the table, train nothing")
@@ -186,8 +183,8 @@ def main() -> int:
     train_model, eval_model, tok = models_for(args.model, args.quant)
     seqs = eval_sequences(eval_model, tok, args.eval_prompts, args.eval_limit, args.max_new_tokens,
                           out / "eval_sequences.json", args.eval_skip)
-    sources = {"answers": args.answers, "draft": args.draft_answers, "mix": args.mix_answers, "text": args.text_rows}
-    gen_tok_s = {"answers": args.datagen_tok_s, "draft": args.draft_datagen_tok_s, "mix": args.mix_datagen_tok_s}
+    sources = {"answers": args.answers, "draft": args.draft_answers, "text": args.text_rows}
+    gen_tok_s = {"answers": args.datagen_tok_s, "draft": args.draft_datagen_tok_s}
     done = {(r["source"], r["kind"], r["data_tokens_asked"]) for r in results}
     for spec in args.points:
         source, kinds, budgets = spec.split(":")

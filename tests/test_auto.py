@@ -8,7 +8,7 @@ import tiny
 from hydraspec import SpeculativeGenerator
 from hydraspec.drafters import make_auto, make_drafter
 from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load
-from hydraspec.drafters.base import DecodeState, Verdict
+from hydraspec.drafters.base import DecodeState, Drafter, Verdict
 from hydraspec.drafters.prediction import PredictionDrafter
 from hydraspec.drafters.prompt_lookup import NgramIndex, lookup
 from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, speculate
@@ -186,7 +186,7 @@ def test_prediction_through_the_engine_is_exact_and_counted(tok):
 # ---- the choice --------------------------------------------------------------------------------------------
 
 
-class Oracle:
+class Oracle(Drafter):
     """A costly drafter that knows the target's greedy answer (a perfect draft model)."""
 
     name, cheap, needs_hidden, max_nodes = "oracle", False, False, 4

@@ -89,6 +89,7 @@ class AutoRow:
     depths: list[int] = field(default_factory=list)  # that proposal's node depths
     tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
+    known: dict[str, int] = field(default_factory=dict)  # costly drafter not yet used -> Drafter.known, asked once
     shadows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # unverified cheap chains
 
 
@@ -171,11 +172,11 @@ class AutoDrafter(Drafter):
         """A costly drafter's proposals; the tokens it first reads to catch up (less those it takes from
         earlier sequences: ``Drafter.reused``) are timed apart from them."""
         d = self.drafters[name]
-        unseen, reused = sum(self._gap(r, s, name, pooled=False) for r, s in zip(rows, states)), reused_by(d)
+        unseen, reused = sum(self._gap(r, s, name, pooled=False) for r, s in zip(rows, states)), d.reused
         t0 = time.perf_counter()
         trees = d.propose(states)
         took, usual = time.perf_counter() - t0, self.seconds[name] * len(states)
-        gaps = max(0, unseen - (reused_by(d) - reused))  # what it read: not what it took from earlier sequences
+        gaps = max(0, unseen - (d.reused - reused))  # what it read: not what it took from earlier sequences
         if gaps and usual:  # a catch-up with a known usual cost: what reading a token costs
             rate = max(0.0, took - usual) / gaps
             self.read[name] = 0.8 * self.read[name] + 0.2 * rate if self.read[name] else rate
@@ -189,8 +190,14 @@ class AutoDrafter(Drafter):
     def _gap(self, row: AutoRow, s: DecodeState, name: str, pooled: bool = True) -> int:
         """Tokens a costly drafter must read before it proposes, beyond a usual step's few (on first use, with
         ``pooled``, less those it expects to take from earlier sequences: ``Drafter.known``)."""
-        known = getattr(self.drafters[name], "known", None) if pooled else None  # drafters without it: 0
-        seen = row.seen[name] if name in row.seen else (known(s) if known is not None else 0)
+        if name in row.seen:
+            seen = row.seen[name]
+        elif pooled:
+            if name not in row.known:
+                row.known[name] = self.drafters[name].known(s)
+            seen = row.known[name]
+        else:
+            seen = 0
         return max(0, len(s.tokens) - seen - round(self.sizes[name]) - 1)
 
     def _choose(self, row: AutoRow, s: DecodeState, load: Load, offers: dict[str, DraftTree]) -> Choice:
@@ -294,11 +301,6 @@ class AutoDrafter(Drafter):
             if m is not None:
                 self._count(row, n, m, len(tokens))
                 del row.shadows[n]
-
-
-def reused_by(drafter) -> int:
-    """``Drafter.reused`` (0 for a drafter without it)."""
-    return getattr(drafter, "reused", 0)
 
 
 def gain(rates: list[float], k: int) -> float:

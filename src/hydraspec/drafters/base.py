@@ -88,7 +88,7 @@ class Drafter:
 
     def known(self, state: DecodeState) -> int:
         """Of a sequence this drafter has not started on, the first tokens it would take from earlier sequences
-        instead of reading them (a paced drafter's estimate of a first try's cost)."""
+        instead of reading them (a paced drafter's estimate of a first try's cost; it asks once a sequence)."""
         return 0
 
     def step_took(self, rows: int, tokens: int, seconds: float) -> None:

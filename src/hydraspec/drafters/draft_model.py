@@ -43,7 +43,6 @@ DEFAULT_CONFIDENCE = 0.4  # the chain's stop: the draft's top probability below 
 STOPS = ("token", "path")  # what the confidence stop tests: the next token's probability, or the whole chain's
 DEFAULT_LEAF_GAIN = 0.05  # a runner-up leaf must be estimated to add at least this many tokens per step
 POOL_TOKENS = 8192  # draft keys and values of earlier sequences kept (the 0.5B Qwen: 12 KB a token)
-MATCHES_KEPT = 256  # sequences whose pool prefix is remembered before they start drafting
 
 
 def log_top_prob(logits: torch.Tensor) -> torch.Tensor:
@@ -131,7 +130,6 @@ class DraftModelDrafter(Drafter):
             raise HydraspecError("draft leaves hang on the draft chain only, not on a tree")
         self.max_nodes += self.leaves
         self.pool = PrefixPool(pool_tokens) if pool_tokens else None
-        self.matched: dict[int, int] = {}  # sequence key -> the pool's prefix of it, for sequences not started
         self.rows: RowStates[DraftSeq] = RowStates(self.start, self._pool_row)
         self.batch = DraftBatch(self)
 
@@ -163,7 +161,6 @@ class DraftModelDrafter(Drafter):
         one."""
         row = DraftSeq(new_cache(self.model, self._capacity(capacity_of(state))), 0, self.k0)
         allocate_rows(row.cache, self.model, 1)
-        self.matched.pop(state.key, None)
         toks = state.tokens
         if len(toks) > 1:
             have = self.pool.load(row.cache, 0, toks[:-1]) if self.pool is not None else 0
@@ -193,12 +190,8 @@ class DraftModelDrafter(Drafter):
     def known(self, state: DecodeState) -> int:
         if self.pool is None or self.rows.get(state) is not None:
             return 0
-        if state.key not in self.matched:
-            self.rows.sweep()  # finished sequences into the pool first
-            if len(self.matched) >= MATCHES_KEPT:
-                del self.matched[next(iter(self.matched))]
-            self.matched[state.key] = self.pool.match(state.tokens[:-1])[0]
-        return self.matched[state.key]
+        self.rows.sweep()  # finished sequences into the pool first
+        return self.pool.match(state.tokens[:-1])[0]
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         """The draft model's top probability under these logits is below `confidence`."""
