@@ -223,6 +223,24 @@ def test_train_heads_on_answers_another_model_wrote(saved, tmp_path, capsys):
     assert rc == 2 and "incompatible" in err
 
 
+def test_distilled_heads_of_the_qwen_target_learn_from_answers_its_smaller_sibling_writes():
+    """By default the distilled kinds of the offline Qwen2.5-Coder 1.5B take their answers from the registry's
+    0.5B (the same tokenizer, a third of the data's CPU time); kinds that learn the answer tokens themselves,
+    models without such a sibling and --answers-model none keep the base's own answers."""
+    from hydraspec.models import REGISTRY, default_writer
+    from hydraspec.train.job import HeadsJob
+
+    qwen = "qwen2.5-coder-1.5b-instruct"
+    for kind in ("hydra++", "eagle", "eagle3"):
+        assert HeadsJob(model=qwen, out="o", kind=kind).writer() == "qwen2.5-coder-0.5b-instruct"
+    assert HeadsJob(model=qwen, out="o", kind="medusa").writer() is None
+    assert HeadsJob(model=qwen, out="o", kind="hydra++", answers_model="none").writer() is None
+    assert HeadsJob(model="smollm2-135m-instruct", out="o", kind="hydra++").writer() is None
+    assert HeadsJob(model=qwen, out="o", kind="eagle", answers_model="w").writer() == "w"
+    for name in REGISTRY:  # a writer is itself an offline model (it is pulled as the base is)
+        assert default_writer(name) is None or default_writer(name) in REGISTRY
+
+
 def test_bench_and_serve_compile_where_they_can_by_default_and_generate_does_not(saved):
     """bench and serve default to --compile auto (compiled where it can be done, quietly eager elsewhere),
     generate to eager; --compile / --no-compile override; auto on a model not at a GGUF precision loads it

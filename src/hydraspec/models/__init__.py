@@ -35,7 +35,8 @@ from .compile import compile_models
 from .convert import convert_gguf, gguf_cache_dir
 from .loading import QUANTS, load_draft_model, load_model, resolve_precision, resolve_quant, same_tokenizer, \
     shipped_draft_tree
-from .registry import DEFAULT_MODEL, REGISTRY, ModelSpec, WheelPart, converted_dir, gguf_file, list_models, pull
+from .registry import DEFAULT_MODEL, REGISTRY, ModelSpec, WheelPart, converted_dir, default_writer, gguf_file, \
+    list_models, pull
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -50,6 +51,7 @@ __all__ = [
     "compile_models",
     "convert_gguf",
     "converted_dir",
+    "default_writer",
     "gguf_cache_dir",
     "gguf_file",
     "hydraspec_home",

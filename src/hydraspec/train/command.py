@@ -34,10 +34,13 @@ def add_parser(subparsers) -> None:
                         "such as 'Explain', 'Write a short story'), kept in OUT/self_prompts.jsonl")
     t.add_argument("--self-prompts-model", metavar="NAME",
                    help="a smaller model with the same tokenizer writes the --self-prompts instead (faster)")
-    t.add_argument("--answers-model", metavar="NAME",
+    t.add_argument("--answers-model", metavar="NAME", default="auto",
                    help="a smaller model with the same tokenizer writes the answers instead (several times faster "
                         "than the base); the base reads each prompt + answer at prefill speed and its own next-token "
-                        "distributions are the targets, so only distilled kinds (hydra++, eagle) take it")
+                        "distributions are the targets, so only distilled kinds (hydra++, eagle, eagle3) take it. "
+                        "auto (the default): for those kinds, the offline registry's smaller model of the base's "
+                        "family where there is one (Qwen2.5-Coder 1.5B: the 0.5B; per data token the heads learn "
+                        "the same, at a third of the CPU time: BENCHMARKS.md), else the base; none: the base")
     t.add_argument("--text", nargs="+", metavar="PATH",
                    help="also (or only) distil on text the base reads at prefill speed: files, or directories "
                         "walked for .py .md .rst .txt (e.g. the standard library's source); the base model's own "

@@ -17,7 +17,7 @@ import torch
 from ..bench.prompts import load_questions
 from ..drafters.draft_model import check_vocab
 from ..errors import HydraspecError
-from ..models import load_model, resolve_device
+from ..models import default_writer, load_model, resolve_device
 from ..options import thread_count
 from ..stack import load_models
 from .data import answer_prompts, load_answers
@@ -47,7 +47,7 @@ class HeadsJob:
     docstring_prompts: int = 0
     self_prompts: int = 0
     self_prompts_model: str | None = None
-    answers_model: str | None = None
+    answers_model: str | None = "auto"
     text: list[str] | None = None
     text_tokens: int = 200_000
     limit: int | None = None
@@ -73,6 +73,14 @@ class HeadsJob:
     @classmethod
     def from_args(cls, args) -> "HeadsJob":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def writer(self) -> str | None:
+        """Who writes the answers: --answers-model, with auto resolved (see its help); None: the base."""
+        if self.answers_model in (None, "none"):
+            return None
+        if self.answers_model == "auto":
+            return default_writer(self.model) if _variant(self)[1] else None
+        return self.answers_model
 
     def reuse(self) -> bool:
         """No new prompts: the answers file is trained on as it is."""
@@ -120,7 +128,7 @@ def _check(run: _Run) -> None:
         raise HydraspecError("--text-tokens must be at least 512")
     if run.reuse and job.data_only:
         raise HydraspecError("--data-only needs prompts to answer")
-    if job.answers_model and not _variant(job)[1]:  # not distilled: the answer tokens are the targets
+    if job.writer() and not _variant(job)[1]:  # not distilled: the answer tokens are the targets
         raise HydraspecError(f"--answers-model: another model's answers are learnt through the base's own "
                              f"distributions, which --kind {job.kind} does not train on (use hydra++ or eagle)")
 
@@ -175,9 +183,9 @@ def _answer(run: _Run, cache_bytes: int) -> None:
     job = run.job
     if run.is_main and not run.text_only:
         options = dict(max_new_tokens=job.max_new_tokens, batch_size=job.batch_size, method=job.data_method)
-        if job.answers_model:  # the base reads them in training
-            writer, wtok = load_model(job.answers_model, dtype=job.dtype, device=job.device, quant="auto",
-                                      progress=True)
+        if job.writer():  # the base reads them in training
+            print(f"answers written by {job.writer()}, read by {job.model}", file=sys.stderr)
+            writer, wtok = load_model(job.writer(), dtype=job.dtype, device=job.device, quant="auto", progress=True)
             check_vocab(run.tok, wtok)
             answer_prompts(writer, wtok, run.pairs, run.data, **options)
             del writer, wtok
@@ -234,7 +242,7 @@ def _used(run: _Run) -> dict:
         used = {"train_prompts": {"files": [os.path.basename(p) for p in job.prompts or []],
                                   "skip_per_category": job.skip, "limit_per_category": job.limit,
                                   "questions": len(run.questions), "self_prompts": job.self_prompts,
-                                  "docstring_prompts": job.docstring_prompts, "answers_model": job.answers_model},
+                                  "docstring_prompts": job.docstring_prompts, "answers_model": job.writer()},
                 "variant": job.kind}
     if job.text and not run.text_only:
         used["train_text"] = text_used
