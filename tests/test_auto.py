@@ -7,7 +7,7 @@ import torch
 import tiny
 from hydraspec import SpeculativeGenerator
 from hydraspec.drafters import make_auto, make_drafter
-from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load
+from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load, stat_key
 from hydraspec.drafters.base import DecodeState, Drafter, Verdict
 from hydraspec.drafters.prediction import PredictionDrafter
 from hydraspec.drafters.prompt_lookup import NgramIndex, lookup
@@ -85,6 +85,17 @@ def test_suffix_drafting_copies_a_long_match_whole_past_the_tries_depth():
         tree = d.propose([s])[0]
         assert tree.tokens.tolist() == prompt[n:n + 5]  # a match of 3 leaves 5 levels, the most any length gives
         assert tree.parents == tuple(range(-1, len(tree) - 1))
+
+
+@pytest.mark.parametrize("matched,grade", [(1, 1), (2, 2), (4, 4), (6, 5), (9, 8), (20, 8)])
+def test_suffix_proposals_carry_the_grade_of_their_match(matched, grade):
+    """A proposal's grade is its match length in classes (1-4, 5-7, 8 and more): the context's last ``matched``
+    tokens occurred before, followed by what is proposed, and one token more did not."""
+    old = list(range(100, 100 + matched)) + [7, 8, 9]
+    context = [50] + old[:matched]  # the token before the match differs from the one before it earlier
+    s = DecodeState(tokens=[1, 2] + old + [3] + context, prompt_len=2, sampling=Sampling(0.0, 0, 1.0))
+    tree = SuffixDrafter().propose([s])[0]
+    assert tree.tokens.tolist()[:1] == [7] and tree.grade == grade
 
 
 @pytest.mark.parametrize("min_n,max_n,vocab", [(1, 1, 3), (2, 3, 4), (2, 4, 20), (1, 3, 2)])
@@ -365,6 +376,23 @@ def test_packed_cost_stays_sane_through_a_long_run_of_two_row_steps():
         if i % 400 == 399:
             assert packed.cost(2)(4) == pytest.approx(0.056, rel=0.05)
             assert curve(1) <= packed.cost(1)(1) <= packed.cost(2)(2)
+
+
+def test_auto_values_a_proposal_as_the_proposals_of_its_grade_fared():
+    """Suffix proposals from one-token matches always rejected, from long matches always accepted whole: auto
+    counts each grade apart and verifies the second kind whole and none of the first (one rate for the
+    drafter would value both alike), and a grade it has not seen yet starts from its prior."""
+    auto = AutoDrafter({"suffix": SuffixDrafter()}, {n: 1.0 + 0.1 * (n - 1) for n in (1, 2, 4, 8, 16)})
+    row = AutoRow()
+    for _ in range(100):
+        auto._count(row, stat_key("suffix", 1), 0, 2)
+        auto._count(row, stat_key("suffix", 8), 8, 8)
+    weak, strong = (DraftTree(torch.arange(k), chain(k), grade=g) for k, g in ((2, 1), (8, 8)))
+    assert auto._choose(row, None, Load(1, 1), {"suffix": weak}).name is None  # plain decoding
+    chosen = auto._choose(row, None, Load(1, 1), {"suffix": strong})
+    assert chosen.name == "suffix" and len(chosen.tree) == 8
+    fresh = auto.chances(row, stat_key("suffix", 3), 1)[0]
+    assert 0.3 < fresh < 0.7 and auto.chances(row, stat_key("suffix", 8), 1)[0] > 0.9
 
 
 def test_auto_scales_a_drafters_chances_to_what_its_chosen_drafts_realised():

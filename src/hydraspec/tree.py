@@ -88,11 +88,15 @@ class DraftTree:
     q:       [n, vocab] the distribution each node was drawn from (siblings share their parent's row),
              or None for a deterministic drafter (q is one-hot on the proposed token).
     Siblings must have been drawn from q without replacement, in index order, for sampling to be lossless.
+    grade:   the drafter's own class of how sure it is of this proposal (suffix decoding: its match length, in
+             classes), 0 where it makes none; the per-request choice (drafters.auto) learns each class's
+             acceptance apart.
     """
 
     tokens: torch.Tensor
     parents: tuple[int, ...]
     q: torch.Tensor | None = None
+    grade: int = 0
 
     @staticmethod
     def empty(device=None) -> "DraftTree":
@@ -103,7 +107,7 @@ class DraftTree:
 
     def head(self, n: int) -> "DraftTree":
         """The first n nodes (a BFS prefix is a tree again)."""
-        return DraftTree(self.tokens[:n], self.parents[:n], None if self.q is None else self.q[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.q is None else self.q[:n], self.grade)
 
     def with_root(self) -> tuple[int, ...]:
         """Parents of the verify tree: node 0 is the pending token, drafts follow shifted by one."""

@@ -16,6 +16,9 @@ or none (plain decoding). What decides, all measured on this machine and this se
 - each drafter's calibration by depth: the tokens its chosen drafts realised over what was predicted for
   them (discounted sums, hydraspec.tally.Calibration), which scales its chances: the rows choosing the
   highest estimates choose the overestimated ones (the winner's curse);
+- a proposal's grade (``DraftTree.grade``, e.g. suffix decoding's match length): the counts and the
+  calibration are kept per drafter and grade, so that a long match's proposal is valued as long matches
+  fare and a one-token match's as those do;
 - the step's node limit a row may keep (``Drafter.limit``, from the engine's step bound).
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is
@@ -36,10 +39,11 @@ verified by the target.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..packed_cost import PackedCost
-from ..tally import Calibration, Tally, reach, shadow_accepted
+from ..tally import DEPTHS, Calibration, Tally, reach, shadow_accepted
 from ..tree import DraftTree, shape_of
 from ..verify_cost import Curve
 from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of
@@ -52,6 +56,7 @@ RUN = 8  # steps a costly drafter is expected to stay chosen: its catch-up read 
 READ_GUESS = 0.03  # seconds to read one token, as a fraction of one target step, until measured
 CALIBRATION_DECAY = 0.98  # weight of older verified proposals in a drafter's calibration, per new one
 CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised at every depth
+NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predicted
 
 
 @dataclass
@@ -74,6 +79,11 @@ class Cut:
     gained: float  # the tokens they are expected to add
 
 
+def stat_key(name: str, grade: int) -> str:
+    """Where a proposal's acceptance is counted: its drafter's name, and its grade where it has one."""
+    return f"{name}:{grade}" if grade else name
+
+
 @dataclass
 class Choice:
     name: str | None  # the drafter (None: plain decoding)
@@ -86,11 +96,12 @@ class Choice:
 class AutoRow:
     tallies: dict[str, Tally] = field(default_factory=dict)
     chosen: str | None = None  # the drafter whose proposal was verified last step
+    stat: str | None = None  # where that proposal's acceptance is counted (stat_key)
     depths: list[int] = field(default_factory=list)  # that proposal's node depths
     tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     known: dict[str, int] = field(default_factory=dict)  # costly drafter not yet used -> Drafter.known, asked once
-    shadows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # unverified cheap chains
+    shadows: dict[str, tuple[int, list[int], str]] = field(default_factory=dict)  # unverified cheap chains
 
 
 class AutoDrafter(Drafter):
@@ -110,9 +121,9 @@ class AutoDrafter(Drafter):
         self.cost = Curve(cost)
         self.packed = PackedCost(self.cost, block)  # steps of several rows, learnt from their own times
         self.step = self.cost  # this step's curve: the one-row one, or the packed one for its rows
-        self.totals = {n: Tally() for n in drafters}  # every sequence's counts, undiscounted
-        self.calibration = {n: Calibration() for n in drafters}  # realised over predicted, chosen drafts
-        self.trust = {n: c.factors(CALIBRATION_WEIGHT) for n, c in self.calibration.items()}  # kept per update
+        self.totals: dict[str, Tally] = defaultdict(Tally)  # every sequence's counts, undiscounted (stat_key)
+        self.calibration: dict[str, Calibration] = defaultdict(Calibration)  # realised over predicted, chosen drafts
+        self.trust: dict[str, list[float]] = {}  # calibration factors, kept per update
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
@@ -132,6 +143,7 @@ class AutoDrafter(Drafter):
         before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
         for b, load, choice in self._in_turn(rows, states, offers):
             before[b], rows[b].chosen, out[b] = load, choice.name, choice.tree
+            rows[b].stat = None if choice.name is None else stat_key(choice.name, choice.tree.grade)
             if choice.name in wants:
                 wants[choice.name].append(b)
             self._shadow(rows[b], states[b], offers[b], choice.name)
@@ -139,6 +151,7 @@ class AutoDrafter(Drafter):
             if picked:
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
                     out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
+                    rows[b].stat = stat_key(n, tree.grade)
         for row, tree in zip(rows, out):
             row.depths = shape_of(tree.with_root()).depth.tolist()[1:]
             for n in self.costly:
@@ -231,7 +244,7 @@ class AutoDrafter(Drafter):
         if not len(offer):
             return Cut(0, 0.0, 0.0)
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
-        p, seconds = self.chances(row, name, max(depth)), self.seconds[name]
+        p, seconds = self.chances(row, stat_key(name, offer.grade), max(depth)), self.seconds[name]
         c, best, value = self.step, Cut(0, 0.0, 0.0), load.expect
         for i, d in enumerate(depth[:self.limit]):
             value += p[d - 1]
@@ -240,14 +253,15 @@ class AutoDrafter(Drafter):
                 best = Cut(i + 1, v, value - load.expect)
         return best
 
-    def chances(self, row: AutoRow, name: str, depth: int) -> list[float]:
-        """The chance that ``name``'s draft at each depth 1..depth is accepted on this sequence: its rates'
-        product down to it, scaled by what the drafter's chosen drafts realised against such predictions."""
-        return [min(0.99, p * f) for p, f in zip(reach(self.rates(row, name), depth), self.trust[name])]
+    def chances(self, row: AutoRow, stat: str, depth: int) -> list[float]:
+        """The chance that a draft at each depth 1..depth is accepted on this sequence, for proposals counted
+        at ``stat`` (a drafter, or a drafter's grade: stat_key): its rates' product down to it, scaled by what
+        such chosen drafts realised against such predictions."""
+        return [min(0.99, p * f) for p, f in zip(reach(self.rates(row, stat), depth), self.trust.get(stat, NEUTRAL))]
 
-    def rates(self, row: AutoRow, name: str) -> list[float]:
-        prior = self.totals[name].own_rates()
-        tally = row.tallies.get(name)
+    def rates(self, row: AutoRow, stat: str) -> list[float]:
+        prior = self.totals[stat].own_rates()
+        tally = row.tallies.get(stat)
         return [min(0.99, r) for r in (tally.rates(prior, PRIOR_WEIGHT) if tally is not None else prior)]
 
     # -- learning -----------------------------------------------------------------------------------------
@@ -260,8 +274,8 @@ class AutoDrafter(Drafter):
             by.setdefault(row.chosen, ([], []))[0].append(s)
             by[row.chosen][1].append(v)
             if v.verified:
-                self._calibrate(row, row.chosen, v)
-                self._count(row, row.chosen, len(v.accepted), max(row.depths[:v.verified], default=0))
+                self._calibrate(row, row.stat, v)
+                self._count(row, row.stat, len(v.accepted), max(row.depths[:v.verified], default=0))
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
 
@@ -273,18 +287,18 @@ class AutoDrafter(Drafter):
         for d in self.drafters.values():
             d.forget()
 
-    def _calibrate(self, row: AutoRow, name: str, v: Verdict) -> None:
+    def _calibrate(self, row: AutoRow, stat: str, v: Verdict) -> None:
         """Compare the chances predicted (before calibration) for the verified nodes with what was accepted."""
         depths = row.depths[:v.verified]
-        p = reach(self.rates(row, name), max(depths))
+        p = reach(self.rates(row, stat), max(depths))
         hits = set(v.accepted)
-        self.calibration[name].add(depths, [p[d - 1] for d in depths], [i in hits for i in range(len(depths))],
+        self.calibration[stat].add(depths, [p[d - 1] for d in depths], [i in hits for i in range(len(depths))],
                                    CALIBRATION_DECAY)
-        self.trust[name] = self.calibration[name].factors(CALIBRATION_WEIGHT)
+        self.trust[stat] = self.calibration[stat].factors(CALIBRATION_WEIGHT)
 
-    def _count(self, row: AutoRow, name: str, accepted: int, depth: int) -> None:
-        row.tallies.setdefault(name, Tally()).add(accepted, depth, decay=DECAY)
-        self.totals[name].add(accepted, depth, decay=1.0)
+    def _count(self, row: AutoRow, stat: str, accepted: int, depth: int) -> None:
+        row.tallies.setdefault(stat, Tally()).add(accepted, depth, decay=DECAY)
+        self.totals[stat].add(accepted, depth, decay=1.0)
 
     @staticmethod
     def _shadow(row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], chosen: str | None) -> None:
@@ -293,13 +307,13 @@ class AutoDrafter(Drafter):
             return
         for n, tree in offers.items():
             if n != chosen and len(tree) and n not in row.shadows and shape_of(tree.with_root()).is_chain:
-                row.shadows[n] = (len(s.tokens), tree.tokens.tolist())
+                row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), stat_key(n, tree.grade))
 
     def _score_shadows(self, row: AutoRow, s: DecodeState) -> None:
-        for n, (at, tokens) in list(row.shadows.items()):
+        for n, (at, tokens, stat) in list(row.shadows.items()):
             m = shadow_accepted(tokens, s.tokens[at:])
             if m is not None:
-                self._count(row, n, m, len(tokens))
+                self._count(row, stat, m, len(tokens))
                 del row.shadows[n]
 
 
