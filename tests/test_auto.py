@@ -130,12 +130,14 @@ def test_shared_answers_stay_within_their_token_bound():
     assert store.trie.matches([4, 4]) and not store.trie.matches([0, 0])
 
 
-@pytest.mark.parametrize("method", ["suffix", "auto"])
+@pytest.mark.parametrize("method", ["suffix", "auto", "auto-one-draft"])
 def test_suffix_and_auto_equal_plain_decoding(method, tok):
+    """Also with the draft model proposing one token a step (the shape shipped for the Qwen pair)."""
     m = model()
     draft = tiny.noisy_copy(m, 0.05)
+    shape = {"tree": [[0]]} if method == "auto-one-draft" else {}
     drafter = make_drafter("suffix") if method == "suffix" else \
-        make_auto(m, {"draft": make_drafter("draft", draft_model=draft)})
+        make_auto(m, {"draft": make_drafter("draft", draft_model=draft, **shape)})
     gen = SpeculativeGenerator(m, tok, drafter)
     for p in PROMPTS:
         assert gen.generate(input_ids=p, max_new_tokens=N).token_ids == plain(m, tok, p)
