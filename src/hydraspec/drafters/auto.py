@@ -143,7 +143,6 @@ class AutoDrafter(Drafter):
         before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
         for b, load, choice in self._in_turn(rows, states, offers):
             before[b], rows[b].chosen, out[b] = load, choice.name, choice.tree
-            rows[b].stat = None if choice.name is None else stat_key(choice.name, choice.tree.grade)
             if choice.name in wants:
                 wants[choice.name].append(b)
             self._shadow(rows[b], states[b], offers[b], choice.name)
@@ -151,9 +150,9 @@ class AutoDrafter(Drafter):
             if picked:
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
                     out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
-                    rows[b].stat = stat_key(n, tree.grade)
         for row, tree in zip(rows, out):
             row.depths = shape_of(tree.with_root()).depth.tolist()[1:]
+            row.stat = None if row.chosen is None else stat_key(row.chosen, tree.grade)
             for n in self.costly:
                 if n == row.chosen:
                     row.tried[n] = 0

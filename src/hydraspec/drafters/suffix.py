@@ -198,7 +198,6 @@ class SuffixRow:
     trie: SuffixTrie
     active: list[int]
     added: int  # tokens of the sequence in its own trie
-    probs: list[float] = field(default_factory=list)  # the last proposal's node probabilities
 
 
 class SuffixDrafter(Drafter):
@@ -255,7 +254,6 @@ class SuffixDrafter(Drafter):
                 spec = speculate(trie, node, budget, floor, chain_only=not state.sampling.greedy)
                 if spec.score > best.score:
                     best, spec.matched = spec, m
-        row.probs = best.probs
         return best
 
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:

@@ -20,7 +20,8 @@ from .common import DTYPES, has_gguf_magic, is_complete, locked, say, short_reas
 from .convert import check_form, convert_gguf
 
 __all__ = ["DEFAULT_MODEL", "REGISTRY", "ModelSpec", "WheelPart", "converted_dir", "gguf_file", "list_models",
-           "pull", "spec_of", "default_writer", "known_names", "gguf_path", "gguf_ok", "assemble_gguf", "pull_as", "pulled_dtypes"]
+           "pull", "spec_of", "default_writer", "known_names", "gguf_path", "gguf_ok", "assemble_gguf", "pull_as",
+           "pulled_dtypes"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

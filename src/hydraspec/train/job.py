@@ -183,9 +183,10 @@ def _answer(run: _Run, cache_bytes: int) -> None:
     job = run.job
     if run.is_main and not run.text_only:
         options = dict(max_new_tokens=job.max_new_tokens, batch_size=job.batch_size, method=job.data_method)
-        if job.writer():  # the base reads them in training
-            print(f"answers written by {job.writer()}, read by {job.model}", file=sys.stderr)
-            writer, wtok = load_model(job.writer(), dtype=job.dtype, device=job.device, quant="auto", progress=True)
+        name = job.writer()
+        if name:  # the base reads them in training
+            print(f"answers written by {name}, read by {job.model}", file=sys.stderr)
+            writer, wtok = load_model(name, dtype=job.dtype, device=job.device, quant="auto", progress=True)
             check_vocab(run.tok, wtok)
             answer_prompts(writer, wtok, run.pairs, run.data, **options)
             del writer, wtok
