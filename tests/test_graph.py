@@ -89,6 +89,61 @@ def test_compiled_steps_give_the_eager_logits_bit_for_bit(pair):
         token = out[0].argmax()
 
 
+@torch.inference_mode()
+def test_two_compiled_models_of_one_class_each_run_their_own_graphs(pair, tmp_path):
+    """A second model of the same class with other weight types (as a draft model beside its target): the
+    compiled steps leave out the guards on the modules, yet each model's steps, interleaved, give its own
+    eager logits exactly."""
+    from test_gguf import _write_tiny_llama
+
+    from hydraspec.cache import new_cache
+    from hydraspec.models import compile_models
+    from hydraspec.verify import forward_nodes
+
+    path = tmp_path / "other.gguf"
+    _write_tiny_llama(path, ["Q8_0", "Q5_1", "Q4_0", "Q5_K"])
+    eager2, compiled2 = _tiny_gguf_model(path), _tiny_gguf_model(path)
+    compile_models(compiled2)
+    eager, compiled, _ = pair
+    models = [eager, compiled, eager2, compiled2]
+    caches = [new_cache(m, 64) for m in models]
+    ids = torch.tensor([1, 5, 9, 33, 2, 7])
+    for m, c in zip(models, caches):
+        forward_nodes(m, c, ids, torch.arange(len(ids)), None, 0, last_only=True)
+    for step in range(6):
+        pos = torch.tensor([len(ids) + step])
+        out = [forward_nodes(m, c, torch.tensor([3 + step]), pos, None, 0, last_only=True)[0][-1]
+               for m, c in zip(models, caches)]
+        assert torch.equal(out[0], out[1]) and torch.equal(out[2], out[3]), step
+        assert not torch.equal(out[0], out[2])
+
+
+@torch.inference_mode()
+def test_feature_layers_chosen_after_compiling_are_the_ones_a_compiled_step_returns(pair):
+    """Heads loaded after the steps were compiled may read other layers (EAGLE-3: three of them): the compiled
+    step that returns features follows the model's feature layers as they are at the call."""
+    from hydraspec.cache import new_cache
+    from hydraspec.features import set_feature_layers
+    from hydraspec.verify import forward_nodes
+
+    eager, compiled, _ = pair
+    ids = torch.tensor([1, 5, 9, 33, 2, 7])
+    try:
+        for layers in (None, [0, 1], [1, 0, 1]):
+            hidden = []
+            for m in (eager, compiled):
+                set_feature_layers(m, layers)
+                c = new_cache(m, 64)
+                forward_nodes(m, c, ids, torch.arange(len(ids)), None, 0, last_only=True)
+                hidden.append(forward_nodes(m, c, torch.tensor([3]), torch.tensor([len(ids)]), None, 0,
+                                            want_hidden=True)[1])
+            assert hidden[1].shape[-1] == 256 * (len(layers) if layers else 1)
+            assert torch.equal(hidden[0], hidden[1]), layers
+    finally:
+        for m in (eager, compiled):
+            set_feature_layers(m, None)
+
+
 @torch.inference_mode()  # as the engine runs the model: the graphs compiled at load apply
 def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair, monkeypatch):
     """Forwards of several new tokens (a chain without a mask, a tree under its mask, 2 to MAX_ROWS rows) run

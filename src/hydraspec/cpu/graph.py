@@ -122,6 +122,25 @@ def _untraceable(model) -> str | None:
     return None
 
 
+# the guards on a model kept in its compiled steps: those that compare a value of the model itself or its config
+# (a config field, the feature layers the heads read); the others check its modules' structure, constants,
+# weights and hooks
+_VALUE_GUARDS = {"CONSTANT_MATCH", "EQUALS_MATCH"}
+
+
+def module_values_only(entries) -> list[bool]:
+    """torch.compile's guard filter for the compiled steps: a loaded model's modules and weights stay as they
+    are (nothing in hydraspec adds a module, a weight or a hook to it), so the several thousand guards that
+    check them on every call (about a millisecond a step on two cores, BENCHMARKS.md) are left out. Each model
+    compiles its own steps (a test runs two models of one class side by side)."""
+    return [not e.orig_guard.source.is_unspecialized_nn_module()
+            or (e.guard_type in _VALUE_GUARDS and "._modules[" not in e.name) for e in entries]
+
+
+# the generated code's size and stride assertions on our operators' outputs go too (they cost as much again)
+STEP_OPTIONS = {"guard_filter_fn": module_values_only, "size_asserts": False, "alignment_asserts": False}
+
+
 def compile_steps(model: torch.nn.Module) -> str | None:
     """Make ``model``'s forwards of up to :data:`MAX_ROWS` new tokens compiled steps (see the module
     docstring); returns None when done, else why not (the model is then left as it was). The first one-token
@@ -160,7 +179,9 @@ def compile_steps(model: torch.nn.Module) -> str | None:
     def with_hidden(**kw):  # only the features leave the graph (the other states are never kept)
         out = eager_forward(**kw, output_hidden_states=True, logits_to_keep=0)
         return out.logits, features(model, out.hidden_states)
-    compiled = (torch.compile(eager_forward, dynamic=True), torch.compile(with_hidden, dynamic=True))
+    options = dict(STEP_OPTIONS)
+    compiled = (torch.compile(eager_forward, dynamic=True, options=options),
+                torch.compile(with_hidden, dynamic=True, options=options))
     key = next(iter(cache_kwargs(model, None)))  # the keyword the model's forward takes its cache by
 
     def forward(*args, **kwargs):
