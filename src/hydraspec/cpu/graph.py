@@ -29,6 +29,7 @@ from functools import lru_cache
 
 import torch
 import torch._dynamo.config as dynamo_config
+import torch._inductor.config  # noqa: F401  (torch._inductor.config below)
 import torch.fx.experimental._config as fx_config
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -137,8 +138,15 @@ def module_values_only(entries) -> list[bool]:
             or (e.guard_type in _VALUE_GUARDS and "._modules[" not in e.name) for e in entries]
 
 
-# the generated code's size and stride assertions on our operators' outputs go too (they cost as much again)
-STEP_OPTIONS = {"guard_filter_fn": module_values_only, "size_asserts": False, "alignment_asserts": False}
+def step_options() -> dict:
+    """torch.compile's options for the steps: the guard filter above, and without the generated code's size and
+    stride assertions on our operators' outputs (they cost as much again); each where this torch has it (an
+    older torch, which refuses options it does not know, compiles the steps with every guard)."""
+    inductor = torch._inductor.config
+    options = {name: False for name in ("size_asserts", "alignment_asserts") if hasattr(inductor, name)}
+    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # the filters ship with the option
+        options["guard_filter_fn"] = module_values_only
+    return options
 
 
 def compile_steps(model: torch.nn.Module) -> str | None:
@@ -179,7 +187,7 @@ def compile_steps(model: torch.nn.Module) -> str | None:
     def with_hidden(**kw):  # only the features leave the graph (the other states are never kept)
         out = eager_forward(**kw, output_hidden_states=True, logits_to_keep=0)
         return out.logits, features(model, out.hidden_states)
-    options = dict(STEP_OPTIONS)
+    options = step_options()
     compiled = (torch.compile(eager_forward, dynamic=True, options=options),
                 torch.compile(with_hidden, dynamic=True, options=options))
     key = next(iter(cache_kwargs(model, None)))  # the keyword the model's forward takes its cache by
