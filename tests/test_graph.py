@@ -118,32 +118,6 @@ def test_two_compiled_models_of_one_class_each_run_their_own_graphs(pair, tmp_pa
         assert not torch.equal(out[0], out[2])
 
 
-@torch.inference_mode()
-def test_feature_layers_chosen_after_compiling_are_the_ones_a_compiled_step_returns(pair):
-    """Heads loaded after the steps were compiled may read other layers (EAGLE-3: three of them): the compiled
-    step that returns features follows the model's feature layers as they are at the call."""
-    from hydraspec.cache import new_cache
-    from hydraspec.features import set_feature_layers
-    from hydraspec.verify import forward_nodes
-
-    eager, compiled, _ = pair
-    ids = torch.tensor([1, 5, 9, 33, 2, 7])
-    try:
-        for layers in (None, [0, 1], [1, 0, 1]):
-            hidden = []
-            for m in (eager, compiled):
-                set_feature_layers(m, layers)
-                c = new_cache(m, 64)
-                forward_nodes(m, c, ids, torch.arange(len(ids)), None, 0, last_only=True)
-                hidden.append(forward_nodes(m, c, torch.tensor([3]), torch.tensor([len(ids)]), None, 0,
-                                            want_hidden=True)[1])
-            assert hidden[1].shape[-1] == 256 * (len(layers) if layers else 1)
-            assert torch.equal(hidden[0], hidden[1]), layers
-    finally:
-        for m in (eager, compiled):
-            set_feature_layers(m, None)
-
-
 @torch.inference_mode()  # as the engine runs the model: the graphs compiled at load apply
 def test_compiled_verify_forwards_give_the_eager_logits_bit_for_bit(pair, monkeypatch):
     """Forwards of several new tokens (a chain without a mask, a tree under its mask, 2 to MAX_ROWS rows) run
