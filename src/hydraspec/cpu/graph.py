@@ -132,16 +132,16 @@ _VALUE_GUARDS = {"CONSTANT_MATCH", "EQUALS_MATCH"}
 def module_values_only(entries) -> list[bool]:
     """torch.compile's guard filter for the compiled steps: a loaded model's modules and weights stay as they
     are (nothing in hydraspec adds a module, a weight or a hook to it), so the several thousand guards that
-    check them on every call (about a millisecond a step on two cores, BENCHMARKS.md) are left out. Each model
-    compiles its own steps (a test runs two models of one class side by side)."""
+    check them on every call are left out (their cost: BENCHMARKS.md). Each model compiles its own steps (a
+    test runs two models of one class side by side)."""
     return [not e.orig_guard.source.is_unspecialized_nn_module()
             or (e.guard_type in _VALUE_GUARDS and "._modules[" not in e.name) for e in entries]
 
 
 def step_options() -> dict:
-    """torch.compile's options for the steps: the guard filter above, and without the generated code's size and
-    stride assertions on our operators' outputs (they cost as much again); each where this torch has it (an
-    older torch, which refuses options it does not know, compiles the steps with every guard)."""
+    """torch.compile's options for the steps: the guard filter above, and no size and stride assertions in the
+    generated code on our operators' outputs; each where this torch has it (an older torch refuses options it
+    does not know, and compiles the steps with every guard)."""
     inductor = torch._inductor.config
     options = {name: False for name in ("size_asserts", "alignment_asserts") if hasattr(inductor, name)}
     if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # the filters ship with the option
