@@ -2,11 +2,14 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 import tiny
 from hydraspec.cli import main
+from hydraspec.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
+from hydraspec.stack import build_drafter
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,12 @@ def test_draft_and_ar_agree_through_the_cli(saved, capsys):
     assert ar["token_ids"] == dr["token_ids"] == tr["token_ids"] == pd["token_ids"]
     assert pd["method"] == "pld+draft"
     assert ar["mean_accepted"] == 1.0
+
+
+@pytest.mark.parametrize("method, kind", [("suffix", SuffixDrafter), ("pld", PromptLookupDrafter), ("ar", NoDrafter)])
+def test_the_command_line_builds_the_drafter_a_method_names(method, kind):
+    """generate and serve build --method's drafter (--method suffix once ran plain decoding under its name)."""
+    assert type(build_drafter(SimpleNamespace(method=method, pld_tokens=10, pld_ngram=3, pld_min_ngram=2), None)) is kind
 
 
 @pytest.mark.parametrize("args, message", [

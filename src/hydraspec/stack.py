@@ -68,7 +68,7 @@ def build_drafter(args, target_tok, draft=None, model=None):
         return LookupHybridDrafter(_draft_drafter(args, target_tok, draft, method), lookup, prefer_lookup=True)
     if method == "draft":
         return _draft_drafter(args, target_tok, draft, method)
-    return make_drafter("ar")  # ar, and suffix as the command line has always built it
+    return make_drafter(method)  # ar, suffix
 
 
 def _heads_drafter(args, model):
