@@ -11,7 +11,7 @@ from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load, stat_key
 from hydraspec.drafters.base import DecodeState, Drafter, Verdict
 from hydraspec.drafters.prediction import PredictionDrafter
 from hydraspec.drafters.prompt_lookup import NgramIndex, lookup
-from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, speculate
+from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, load_store, speculate
 from hydraspec.engine import Engine, Request
 from hydraspec.sampling import Sampling
 from hydraspec.tally import Tally
@@ -130,14 +130,45 @@ def test_shared_answers_stay_within_their_token_bound():
     assert store.trie.matches([4, 4]) and not store.trie.matches([0, 0])
 
 
-@pytest.mark.parametrize("method", ["suffix", "auto", "auto-one-draft"])
+def test_a_store_of_answers_stays_while_earlier_answers_come_and_go():
+    kept = [[7, 8, 9, 7, 8, 9], [20, 21, 22]]
+    shared = SharedAnswers(depth=4, max_tokens=6, store=kept)
+    for key in range(4):
+        shared.add(key, [30 + key] * 3)
+    assert list(shared.seqs) == [2, 3] and shared.trie.tokens == shared.kept + 6  # the bound counts answers only
+    assert shared.trie.matches([7, 8]) and shared.trie.matches([20]) and not shared.trie.matches([30])
+    shared.forget()
+    assert not shared.seqs and shared.trie.tokens == shared.kept == 9
+    assert shared.trie.matches([8, 9]) and not shared.trie.matches([33])
+    state = DecodeState(tokens=[1, 2, 20], prompt_len=2, sampling=Sampling())
+    assert SuffixDrafter(store=kept).propose([state])[0].tokens.tolist()[:2] == [21, 22]
+
+
+def test_a_store_file_reads_back_as_its_answers(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    answers = [[5, 6, 7], [8], [9, 10]]
+    src = tmp_path / "answers.jsonl"
+    src.write_text("".join(json.dumps({"answer_ids": a}) + "\n" for a in answers))
+    script = Path(__file__).parent.parent / "scripts" / "build_suffix_store.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path / "s.npz"), str(src), "--note", "test"], check=True,
+                   capture_output=True)
+    assert load_store(tmp_path / "s.npz") == answers
+
+
+@pytest.mark.parametrize("method", ["suffix", "suffix-store", "auto", "auto-one-draft", "auto-store"])
 def test_suffix_and_auto_equal_plain_decoding(method, tok):
-    """Also with the draft model proposing one token a step (the shape shipped for the Qwen pair)."""
+    """Also with the draft model proposing one token a step (the shape shipped for the Qwen pair), and with a
+    store of answers to draft from (whatever it drafts, the output is plain decoding's)."""
     m = model()
     draft = tiny.noisy_copy(m, 0.05)
     shape = {"tree": [[0]]} if method == "auto-one-draft" else {}
-    drafter = make_drafter("suffix") if method == "suffix" else \
-        make_auto(m, {"draft": make_drafter("draft", draft_model=draft, **shape)})
+    store = [list(range(t, t + 12)) for t in range(0, 60, 5)] if method.endswith("store") else None
+    drafter = make_drafter("suffix", store=store) if method.startswith("suffix") else \
+        make_auto(m, {"draft": make_drafter("draft", draft_model=draft, **shape)}, store=store)
     gen = SpeculativeGenerator(m, tok, drafter)
     for p in PROMPTS:
         assert gen.generate(input_ids=p, max_new_tokens=N).token_ids == plain(m, tok, p)

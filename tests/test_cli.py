@@ -9,6 +9,7 @@ import pytest
 import tiny
 from hydraspec.cli import main
 from hydraspec.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
+from hydraspec.models import shipped_suffix_store
 from hydraspec.stack import build_drafter
 
 
@@ -61,7 +62,25 @@ def test_draft_and_ar_agree_through_the_cli(saved, capsys):
 @pytest.mark.parametrize("method, kind", [("suffix", SuffixDrafter), ("pld", PromptLookupDrafter), ("ar", NoDrafter)])
 def test_the_command_line_builds_the_drafter_a_method_names(method, kind):
     """generate and serve build --method's drafter (--method suffix once ran plain decoding under its name)."""
-    assert type(build_drafter(SimpleNamespace(method=method, pld_tokens=10, pld_ngram=3, pld_min_ngram=2), None)) is kind
+    args = SimpleNamespace(method=method, model="some-dir", pld_tokens=10, pld_ngram=3, pld_min_ngram=2)
+    assert type(build_drafter(args, None)) is kind
+
+
+def test_suffix_decoding_of_the_offline_qwen_model_drafts_from_its_shipped_store(tmp_path):
+    import numpy as np
+
+    from hydraspec.errors import HydraspecError
+    from hydraspec.options import suffix_store_for
+
+    store = suffix_store_for(SimpleNamespace(model="qwen2.5-coder-1.5b-instruct", suffix_store=None))
+    with np.load(shipped_suffix_store("qwen2.5-coder-1.5b-instruct")) as f:
+        meta = json.loads(str(f["meta"]))
+    assert len(store) == meta["answers"] and sum(map(len, store)) == meta["tokens"] > 10_000
+    assert suffix_store_for(SimpleNamespace(model="qwen2.5-coder-1.5b-instruct", suffix_store="none")) is None
+    assert suffix_store_for(SimpleNamespace(model="some-dir", suffix_store=None)) is None
+    (tmp_path / "bad.npz").write_text("not a store")
+    with pytest.raises(HydraspecError, match="cannot read suffix store"):
+        suffix_store_for(SimpleNamespace(model="some-dir", suffix_store=str(tmp_path / "bad.npz")))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -3,11 +3,13 @@ once here, so that the tools under the command line need not import it."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
+from .drafters.suffix import load_store
 from .errors import HydraspecError
-from .models import DEVICES, DTYPES, QUANTS, resolve_precision, shipped_draft_tree
+from .models import DEVICES, DTYPES, QUANTS, resolve_precision, shipped_draft_tree, shipped_suffix_store
 
 
 
@@ -136,6 +138,31 @@ def shipped_tree_for(args) -> str | None:
 ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 
+def add_suffix_store_arg(p) -> None:
+    p.add_argument("--suffix-store", metavar="FILE",
+                   help="answers suffix decoding (suffix, auto) drafts from in every process: an .npz from "
+                        "scripts/build_suffix_store.py, or none (default: the store shipped for an offline model)")
+
+
+def suffix_store_for(args) -> list[list[int]] | None:
+    """The answers of --suffix-store (hydraspec.drafters.suffix.load_store), by default the store shipped for
+    ``args``' offline model; None for none."""
+    path = getattr(args, "suffix_store", None)
+    if path == "none":
+        return None
+    if path is None:
+        path = shipped_suffix_store(args.model)
+    return None if path is None else read_store(str(path))
+
+
+@functools.lru_cache(maxsize=2)
+def read_store(path: str) -> list[list[int]]:
+    try:
+        return load_store(path)
+    except (OSError, KeyError, ValueError) as exc:
+        raise HydraspecError(f"cannot read suffix store {path}: {exc}") from None
+
+
 def add_model_args(p, compile_default: bool | str = False) -> None:
     p.add_argument("--model", required=True, help="offline name (see `hydraspec models list`), HF directory, .gguf file or hub id")
     add_dtype_arg(p)
@@ -172,6 +199,7 @@ def add_method_args(p) -> None:
                                                    "draft model)")
     p.add_argument("--tree-topk", type=int, default=8,
                    help="dynamic tree: nodes expanded per depth and children per node (default 8)")
+    add_suffix_store_arg(p)
     p.add_argument("--pld-tokens", type=int, default=10, help="most tokens prompt lookup proposes (default 10)")
     p.add_argument("--pld-ngram", type=int, default=3, help="longest n-gram prompt lookup matches (default 3)")
     p.add_argument("--pld-min-ngram", type=int, default=2, help="shortest n-gram it matches (default 2)")

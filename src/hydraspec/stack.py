@@ -11,7 +11,7 @@ from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import HydraspecError
 from .heads import ensure_heads, load_heads, read_features
 from .inputs import eos_ids
-from .options import draft_k_option, leaves_option, shipped_tree_for, thread_count
+from .options import draft_k_option, leaves_option, shipped_tree_for, suffix_store_for, thread_count
 from .tree import load_tree_spec
 
 __all__ = ["check_args_method", "load_models", "load_stack", "build_drafter", "is_dynamic", "dynamic_options"]
@@ -68,7 +68,9 @@ def build_drafter(args, target_tok, draft=None, model=None):
         return LookupHybridDrafter(_draft_drafter(args, target_tok, draft, method), lookup, prefer_lookup=True)
     if method == "draft":
         return _draft_drafter(args, target_tok, draft, method)
-    return make_drafter(method)  # ar, suffix
+    if method == "suffix":
+        return make_drafter("suffix", store=suffix_store_for(args))
+    return make_drafter(method)  # ar
 
 
 def _heads_drafter(args, model):
@@ -96,7 +98,7 @@ def _auto_drafter(args, target_tok, draft, model):
         costly[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(),
                                           tree=cfg.get("default_tree"))
     return make_auto(model, costly, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,
-                     pld_min_ngram=args.pld_min_ngram)
+                     pld_min_ngram=args.pld_min_ngram, store=suffix_store_for(args))
 
 
 def _draft_drafter(args, target_tok, draft, method: str):

@@ -14,7 +14,7 @@ from .runner import run_bench
 from .stats import summarize
 from ..models import DEVICES
 from ..options import add_compile_arg, add_draft_quant_arg, add_draft_vocab_arg, add_dtype_arg, add_quant_arg, \
-    add_verify_budget_arg
+    add_suffix_store_arg, add_verify_budget_arg
 
 DEFAULT_METHODS = "ar,pld,hf-ar,hf-pld"
 
@@ -80,6 +80,7 @@ def add_parser(subparsers):
                         "(default 0); method variant draft@leaves=N sets it for one method")
     add_draft_quant_arg(p)  # for draft and hf-assisted alike
     add_draft_vocab_arg(p)
+    add_suffix_store_arg(p)
     p.add_argument("--pld-tokens", type=int, default=10,
                    help="most tokens prompt lookup proposes, ours and transformers' (default 10)")
     p.add_argument("--batch-sizes", metavar="1,2,4,...",

@@ -22,7 +22,7 @@ from ..drafters.prompt_lookup import PromptLookupDrafter
 from ..errors import HydraspecError
 from ..generator import SpeculativeGenerator
 from ..heads import load_heads
-from ..options import draft_k_option, leaves_option, shipped_tree_for
+from ..options import draft_k_option, leaves_option, shipped_tree_for, suffix_store_for
 from ..prefix_pool import PrefixPool
 from ..tree import load_tree_spec
 
@@ -217,6 +217,8 @@ def _engine(method: str):
                                        draft_tokenizer=dtok, confidence=conf, **draft_k_option(a), **leaves)
             if method == "pld+draft":
                 drafter = LookupHybridDrafter(drafter, PromptLookupDrafter(num_tokens=a.pld_tokens), prefer_lookup=True)
+        elif method == "suffix":
+            drafter = make_drafter("suffix", store=suffix_store_for(a))
         else:
             drafter = make_drafter(method)
         return EngineRunner(ctx, drafter)
@@ -233,7 +235,7 @@ def _auto(ctx: BenchContext):
         opts = {"tree": shipped} if shipped is not None else {}
         costly["draft"] = make_drafter("draft", draft_model=dm, target_tokenizer=ctx.tokenizer, draft_tokenizer=dtok,
                                        **opts)
-    return make_auto(ctx.model, costly, pld_tokens=ctx.args.pld_tokens)
+    return make_auto(ctx.model, costly, pld_tokens=ctx.args.pld_tokens, store=suffix_store_for(ctx.args))
 
 
 def _tree_options(a, max_depth: int | None = None) -> dict:

@@ -18,6 +18,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..tree import DraftTree
@@ -55,16 +56,17 @@ class SuffixTrie:
             self.kids[node][token] = kid
         return kid
 
-    def add(self, seq: list[int]) -> None:
-        self._walk(seq, +1)
+    def add(self, seq: list[int], depth: int | None = None) -> None:
+        """Every suffix of ``seq``, cut to ``depth`` tokens (the trie's own depth unless given)."""
+        self._walk(seq, +1, depth or self.depth)
 
-    def remove(self, seq: list[int]) -> None:
-        self._walk(seq, -1)
+    def remove(self, seq: list[int], depth: int | None = None) -> None:
+        self._walk(seq, -1, depth or self.depth)
 
-    def _walk(self, seq: list[int], step: int) -> None:
+    def _walk(self, seq: list[int], step: int, depth: int) -> None:
         for i in range(len(seq)):
             node = self.ROOT
-            for t in seq[i:i + self.depth]:
+            for t in seq[i:i + depth]:
                 nxt = self.child(node, t)
                 self.count[nxt] += step
                 if self.count[nxt] <= 0:
@@ -174,13 +176,20 @@ def match_grade(matched: int) -> int:
     return matched if matched < 5 else 5 if matched < 8 else 8
 
 
-class SharedAnswers:
-    """The shared trie: finished answers, at most ``max_tokens`` tokens of them (the oldest go first)."""
+STORE_DEPTH = 8  # a stored answer's suffixes are cut to this many tokens: fewer nodes, drafts as good (BENCHMARKS.md)
 
-    def __init__(self, depth: int, max_tokens: int):
+
+class SharedAnswers:
+    """The shared trie: finished answers, at most ``max_tokens`` tokens of them (the oldest go first), over a
+    ``store`` of earlier answers kept for good (:func:`load_store`; its suffixes cut to STORE_DEPTH tokens)."""
+
+    def __init__(self, depth: int, max_tokens: int, store: list[list[int]] | None = None):
         self.trie = SuffixTrie(depth)
         self.max_tokens = max_tokens
         self.seqs: OrderedDict[int, list[int]] = OrderedDict()
+        for seq in store or ():
+            self.trie.add(seq, STORE_DEPTH)
+        self.kept = self.trie.tokens
 
     def add(self, key: int, seq: list[int]) -> None:
         if not seq or self.max_tokens <= 0:
@@ -188,9 +197,23 @@ class SharedAnswers:
         seq = seq[-self.max_tokens:]
         self.trie.add(seq)
         self.seqs[key] = seq
-        while self.trie.tokens > self.max_tokens:
+        while self.trie.tokens - self.kept > self.max_tokens:
             _, old = self.seqs.popitem(last=False)
             self.trie.remove(old)
+
+    def forget(self) -> None:
+        """The answers go; the store stays."""
+        while self.seqs:
+            self.trie.remove(self.seqs.popitem()[1])
+
+
+def load_store(path) -> list[list[int]]:
+    """Answers kept in a file for suffix decoding to draft from in every process (``scripts/build_suffix_store.py``
+    writes one from `train-heads --data-only` answers): an ``.npz`` of ``tokens`` (every answer's ids, one after
+    another) and ``ends`` (where each answer ends)."""
+    with np.load(path) as f:
+        tokens, ends = f["tokens"].tolist(), f["ends"].tolist()
+    return [tokens[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
 
 @dataclass
@@ -204,16 +227,17 @@ class SuffixDrafter(Drafter):
     """Suffix decoding (see the module docstring). ``max_tokens``: the most nodes a tree holds; ``alpha``:
     tree nodes per matched token; ``min_prob``: the least path probability a node may have; ``depth``: the
     longest suffix kept; ``shared_tokens``: the size of the shared trie of earlier answers in tokens (0: none;
-    its memory grows with tokens x depth, measured in BENCHMARKS.md)."""
+    its memory grows with tokens x depth, measured in BENCHMARKS.md); ``store``: answers kept for good in the
+    shared trie beside them (:func:`load_store`), e.g. the model's own answers to many kinds of request."""
 
     name = "suffix"
     cheap = True
 
     def __init__(self, max_tokens: int = 16, alpha: float = 2.0, min_prob: float = 0.1, depth: int = 24,
-                 shared_tokens: int = 50_000):
+                 shared_tokens: int = 50_000, store: list[list[int]] | None = None):
         self.max_tokens, self.alpha, self.min_prob, self.depth = max_tokens, alpha, min_prob, depth
         self.max_nodes = max_tokens
-        self.shared = SharedAnswers(depth, shared_tokens)
+        self.shared = SharedAnswers(depth, shared_tokens, store)
         self.rows: RowStates[SuffixRow] = RowStates(self._start)
 
     def _start(self, state: DecodeState) -> SuffixRow:
@@ -261,7 +285,7 @@ class SuffixDrafter(Drafter):
 
     def forget(self) -> None:
         self.rows.sweep()
-        self.shared = SharedAnswers(self.depth, self.shared.max_tokens)
+        self.shared.forget()
 
     def _keep_answers(self) -> None:
         for key, (state, _) in self.rows.rows.items():

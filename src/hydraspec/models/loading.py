@@ -27,7 +27,7 @@ from .registry import REGISTRY, assemble_gguf, converted_dir, gguf_ok, gguf_path
     pulled_dtypes, spec_of
 
 __all__ = ["QUANTS", "load_model", "load_draft_model", "resolve_quant", "resolve_precision", "same_tokenizer",
-           "shipped_draft_tree"]
+           "shipped_draft_tree", "shipped_suffix_store"]
 
 QUANTS = ("auto", "gguf", "none")
 
@@ -314,6 +314,16 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
         huge_pages(model)
     compile_models(model, how=compile)
     return model, tok
+
+
+def shipped_suffix_store(target: str) -> Path | None:
+    """The store of answers shipped for a registry model (its own answers to prompts it wrote itself, made by
+    ``scripts/build_suffix_store.py``; the file's ``meta`` says how), which suffix decoding drafts from in every
+    process, or None."""
+    if target not in REGISTRY:
+        return None
+    path = Path(__file__).parent.parent / "data" / "stores" / f"{target}.npz"
+    return path if path.is_file() else None
 
 
 def shipped_draft_tree(target: str, draft: str, device: str = "auto", quant: str = "auto",
