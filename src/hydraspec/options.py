@@ -140,17 +140,18 @@ ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 
 def add_suffix_store_arg(p) -> None:
     p.add_argument("--suffix-store", metavar="FILE",
-                   help="answers suffix decoding (suffix, auto) drafts from in every process: an .npz from "
-                        "scripts/build_suffix_store.py, or none (default: the store shipped for an offline model)")
+                   help="answers suffix decoding (suffix, auto) also drafts from in every process: an .npz from "
+                        "scripts/build_suffix_store.py, or 'shipped' for the store shipped with an offline model "
+                        "(default: none; it helps everyday prompts and slows a run of like requests, BENCHMARKS.md)")
 
 
 def suffix_store_for(args) -> list[list[int]] | None:
-    """The answers of --suffix-store (hydraspec.drafters.suffix.load_store), by default the store shipped for
-    ``args``' offline model; None for none."""
+    """The answers of --suffix-store (hydraspec.drafters.suffix.load_store): a file, 'shipped' (the store shipped
+    for ``args``' offline model, if any), or None (the default)."""
     path = getattr(args, "suffix_store", None)
-    if path == "none":
+    if path in (None, "none"):
         return None
-    if path is None:
+    if path == "shipped":
         path = shipped_suffix_store(args.model)
     return None if path is None else read_store(str(path))
 
