@@ -130,18 +130,18 @@ def test_shared_answers_stay_within_their_token_bound():
     assert store.trie.matches([4, 4]) and not store.trie.matches([0, 0])
 
 
-def test_a_store_of_answers_stays_while_earlier_answers_come_and_go():
+def test_a_store_of_answers_is_drafted_from_and_stays_when_earlier_answers_go():
     kept = [[7, 8, 9, 7, 8, 9], [20, 21, 22]]
-    shared = SharedAnswers(depth=4, max_tokens=6, store=kept)
-    for key in range(4):
-        shared.add(key, [30 + key] * 3)
-    assert list(shared.seqs) == [2, 3] and shared.trie.tokens == shared.kept + 6  # the bound counts answers only
-    assert shared.trie.matches([7, 8]) and shared.trie.matches([20]) and not shared.trie.matches([30])
-    shared.forget()
-    assert not shared.seqs and shared.trie.tokens == shared.kept == 9
-    assert shared.trie.matches([8, 9]) and not shared.trie.matches([33])
+    d = SuffixDrafter(store=kept, shared_tokens=6)
     state = DecodeState(tokens=[1, 2, 20], prompt_len=2, sampling=Sampling())
-    assert SuffixDrafter(store=kept).propose([state])[0].tokens.tolist()[:2] == [21, 22]
+    assert d.propose([state])[0].tokens.tolist()[:2] == [21, 22]
+    for key in range(4):
+        d.shared.add(key, [30 + key] * 3)
+    assert list(d.shared.seqs) == [2, 3] and d.shared.trie.tokens == 6  # the store is not counted in the bound
+    assert not d.shared.trie.matches([20]) and d.store.matches([20])  # nor mixed into the shared counts
+    d.forget()
+    assert not d.shared.seqs and d.propose([DecodeState(tokens=[1, 2, 20], prompt_len=2, sampling=Sampling())])[0] \
+        .tokens.tolist()[:2] == [21, 22]
 
 
 def test_a_store_file_reads_back_as_its_answers(tmp_path):

@@ -56,17 +56,16 @@ class SuffixTrie:
             self.kids[node][token] = kid
         return kid
 
-    def add(self, seq: list[int], depth: int | None = None) -> None:
-        """Every suffix of ``seq``, cut to ``depth`` tokens (the trie's own depth unless given)."""
-        self._walk(seq, +1, depth or self.depth)
+    def add(self, seq: list[int]) -> None:
+        self._walk(seq, +1)
 
-    def remove(self, seq: list[int], depth: int | None = None) -> None:
-        self._walk(seq, -1, depth or self.depth)
+    def remove(self, seq: list[int]) -> None:
+        self._walk(seq, -1)
 
-    def _walk(self, seq: list[int], step: int, depth: int) -> None:
+    def _walk(self, seq: list[int], step: int) -> None:
         for i in range(len(seq)):
             node = self.ROOT
-            for t in seq[i:i + depth]:
+            for t in seq[i:i + self.depth]:
                 nxt = self.child(node, t)
                 self.count[nxt] += step
                 if self.count[nxt] <= 0:
@@ -176,20 +175,16 @@ def match_grade(matched: int) -> int:
     return matched if matched < 5 else 5 if matched < 8 else 8
 
 
-STORE_DEPTH = 8  # a stored answer's suffixes are cut to this many tokens: fewer nodes, drafts as good (BENCHMARKS.md)
+STORE_DEPTH = 8  # a store's suffixes are cut to this many tokens: fewer nodes, drafts as good (BENCHMARKS.md)
 
 
 class SharedAnswers:
-    """The shared trie: finished answers, at most ``max_tokens`` tokens of them (the oldest go first), over a
-    ``store`` of earlier answers kept for good (:func:`load_store`; its suffixes cut to STORE_DEPTH tokens)."""
+    """The shared trie: finished answers, at most ``max_tokens`` tokens of them (the oldest go first)."""
 
-    def __init__(self, depth: int, max_tokens: int, store: list[list[int]] | None = None):
+    def __init__(self, depth: int, max_tokens: int):
         self.trie = SuffixTrie(depth)
         self.max_tokens = max_tokens
         self.seqs: OrderedDict[int, list[int]] = OrderedDict()
-        for seq in store or ():
-            self.trie.add(seq, STORE_DEPTH)
-        self.kept = self.trie.tokens
 
     def add(self, key: int, seq: list[int]) -> None:
         if not seq or self.max_tokens <= 0:
@@ -197,14 +192,18 @@ class SharedAnswers:
         seq = seq[-self.max_tokens:]
         self.trie.add(seq)
         self.seqs[key] = seq
-        while self.trie.tokens - self.kept > self.max_tokens:
+        while self.trie.tokens > self.max_tokens:
             _, old = self.seqs.popitem(last=False)
             self.trie.remove(old)
 
-    def forget(self) -> None:
-        """The answers go; the store stays."""
-        while self.seqs:
-            self.trie.remove(self.seqs.popitem()[1])
+
+def store_trie(store: list[list[int]]) -> SuffixTrie:
+    """A store of answers as a trie of its own, beside the shared one: its counts would dilute the path
+    probabilities that the process's own earlier answers give (BENCHMARKS.md: a run of like requests)."""
+    trie = SuffixTrie(STORE_DEPTH)
+    for seq in store:
+        trie.add(seq)
+    return trie
 
 
 def load_store(path) -> list[list[int]]:
@@ -227,8 +226,9 @@ class SuffixDrafter(Drafter):
     """Suffix decoding (see the module docstring). ``max_tokens``: the most nodes a tree holds; ``alpha``:
     tree nodes per matched token; ``min_prob``: the least path probability a node may have; ``depth``: the
     longest suffix kept; ``shared_tokens``: the size of the shared trie of earlier answers in tokens (0: none;
-    its memory grows with tokens x depth, measured in BENCHMARKS.md); ``store``: answers kept for good in the
-    shared trie beside them (:func:`load_store`), e.g. the model's own answers to many kinds of request."""
+    its memory grows with tokens x depth, measured in BENCHMARKS.md); ``store``: answers kept for good in a
+    trie of their own, asked beside the others (:func:`load_store`), e.g. the model's own answers to many kinds
+    of request."""
 
     name = "suffix"
     cheap = True
@@ -237,7 +237,8 @@ class SuffixDrafter(Drafter):
                  shared_tokens: int = 50_000, store: list[list[int]] | None = None):
         self.max_tokens, self.alpha, self.min_prob, self.depth = max_tokens, alpha, min_prob, depth
         self.max_nodes = max_tokens
-        self.shared = SharedAnswers(depth, shared_tokens, store)
+        self.shared = SharedAnswers(depth, shared_tokens)
+        self.store = store_trie(store) if store else None
         self.rows: RowStates[SuffixRow] = RowStates(self._start)
 
     def _start(self, state: DecodeState) -> SuffixRow:
@@ -269,7 +270,7 @@ class SuffixDrafter(Drafter):
         self._catch_up(row, state.tokens)
         floor = self.min_prob if min_prob is None else min_prob
         best = Speculation()
-        for trie in (row.trie, self.shared.trie):
+        for trie in (row.trie, self.shared.trie) + ((self.store,) if self.store is not None else ()):
             found = trie.matches_open(row.active) if trie is row.trie else trie.each_match(state.tokens)
             for node, m in found:
                 budget = min(self.max_tokens, max(1, int(self.alpha * m)))
@@ -285,7 +286,7 @@ class SuffixDrafter(Drafter):
 
     def forget(self) -> None:
         self.rows.sweep()
-        self.shared.forget()
+        self.shared = SharedAnswers(self.depth, self.shared.max_tokens)
 
     def _keep_answers(self) -> None:
         for key, (state, _) in self.rows.rows.items():
