@@ -7,7 +7,9 @@ occurred before with a continuation is found; from its node a tree grows best fi
 probability of each path (a child's count over its parent's), up to a size that follows the match length
 (``alpha`` tokens per matched token) and never below ``min_prob``. Two tries are asked: the sequence's own
 (prompt and answer so far) and one shared by every sequence, fed each finished answer and bounded in
-tokens (the oldest answer goes first), so that a request like earlier ones drafts from their answers.
+tokens (the oldest answer goes first), so that a request like earlier ones drafts from their answers; and,
+where given, a third over a store of answers kept for good (``store``: e.g. the model's own answers to many
+kinds of request, shipped with it).
 
 Proposals are deterministic (q is one-hot), so greedy output is plain decoding's and lossless sampling
 stays exact; sampling uses the most probable path only.
