@@ -317,9 +317,9 @@ def load_draft_model(name: str, dtype: str, device: str, quant: str | None = Non
 
 
 def shipped_suffix_store(target: str) -> Path | None:
-    """The store of answers shipped for a registry model (its own answers to prompts it wrote itself, made by
-    ``scripts/build_suffix_store.py``; the file's ``meta`` says how), which suffix decoding drafts from in every
-    process, or None."""
+    """The store of answers shipped for a registry model (its family's own answers to prompts it wrote itself,
+    made by ``scripts/build_suffix_store.py``; the file's ``meta`` says how), which suffix decoding drafts from
+    with ``--suffix-store shipped``, or None."""
     if target not in REGISTRY:
         return None
     path = Path(__file__).parent.parent / "data" / "stores" / f"{target}.npz"
