@@ -144,6 +144,19 @@ def test_a_store_of_answers_is_drafted_from_and_stays_when_earlier_answers_go():
         .tokens.tolist()[:2] == [21, 22]
 
 
+def test_drafters_given_one_store_share_its_trie_and_leave_it_as_built():
+    kept = [[7, 8, 9, 7, 8, 9], [20, 21, 22]]
+    a, b = SuffixDrafter(store=kept), SuffixDrafter(store=kept)
+    assert a.store is b.store and SuffixDrafter(store=[list(s) for s in kept]).store is not a.store
+    before = (a.store.tokens, len(a.store.count), sum(a.store.count))
+    for d in (a, b):
+        state = DecodeState(tokens=[1, 2, 20], prompt_len=2, sampling=Sampling())
+        assert d.propose([state])[0].tokens.tolist()[:2] == [21, 22]
+        state.done = True
+        d.propose([DecodeState(tokens=[3, 7, 8], prompt_len=2, sampling=Sampling())])  # the first answer is kept
+    assert (a.store.tokens, len(a.store.count), sum(a.store.count)) == before
+
+
 def test_a_store_file_reads_back_as_its_answers(tmp_path):
     import json
     import subprocess

@@ -199,13 +199,20 @@ class SharedAnswers:
             self.trie.remove(old)
 
 
+_STORE_TRIES: dict[int, tuple[list[list[int]], SuffixTrie]] = {}  # id -> (the store, its trie)
+
+
 def store_trie(store: list[list[int]]) -> SuffixTrie:
     """A store of answers as a trie of its own, beside the shared one: its counts would dilute the path
-    probabilities that the process's own earlier answers give (BENCHMARKS.md: a run of like requests)."""
-    trie = SuffixTrie(STORE_DEPTH)
-    for seq in store:
-        trie.add(seq)
-    return trie
+    probabilities that the process's own earlier answers give (BENCHMARKS.md: a run of like requests). Built
+    once per store object in a process and shared by every drafter given it: the trie is only read."""
+    kept = _STORE_TRIES.get(id(store))
+    if kept is None or kept[0] is not store:
+        trie = SuffixTrie(STORE_DEPTH)
+        for seq in store:
+            trie.add(seq)
+        kept = _STORE_TRIES[id(store)] = (store, trie)
+    return kept[1]
 
 
 def load_store(path) -> list[list[int]]:
