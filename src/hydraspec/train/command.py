@@ -61,7 +61,8 @@ def add_parser(subparsers) -> None:
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--num-layers", type=int, default=1)
     t.add_argument("--epochs", type=int, default=2)
-    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (warm-up, then cosine to a tenth)")
+    t.add_argument("--lr", type=float, help="peak learning rate (warm-up, then cosine to a tenth); default 1e-3, "
+                                            "5e-4 for eagle3")
     t.add_argument("--grad-accum", type=int, default=4, metavar="N",
                    help="sequences per optimizer step (default 4); the global batch: under accelerate launch "
                         "(--multi_gpu --num_processes P ... -m hydraspec.cli train-heads --device cpu on CPUs) "

@@ -59,7 +59,7 @@ class HeadsJob:
     num_heads: int = 4
     num_layers: int = 1
     epochs: int = 2
-    lr: float = 1e-3
+    lr: float | None = None  # None: the kind's own (fit.default_lr)
     grad_accum: int = 4
     train_dtype: str = "auto"
     draft_vocab: int = 0
