@@ -155,6 +155,7 @@ def main() -> int:
     ap.add_argument("--points", nargs="*", default=[], metavar="SOURCE:KINDS:TOKENS",
                     help="e.g. answers:medusa,hydra:25000,50000 (kinds: medusa, hydra, hydra++, eagle, eagle3)")
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: each kind's own, train-heads')")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--eagle-intermediate", type=int, default=0, help="eagle, eagle3: the layer's MLP width")
     ap.add_argument("--eagle-steps", type=int, default=2, help="eagle, eagle3: training-time-test depth")
@@ -216,6 +217,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 train_heads(train_model, own, heads_dir, kind="hydra" if kind == "hydra++" else kind,
                             base_name=args.model, num_layers=4 if kind == "hydra++" else 1, epochs=args.epochs,
+                            lr=args.lr,
                             distill=distill, heldout=0.0, prefix_layer=kind == "hydra++", progress=False,
                             draft_vocab=args.draft_vocab, cache_bytes=8 << 30, accum=4,
                             head_options={"intermediate_size": args.eagle_intermediate}

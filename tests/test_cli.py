@@ -10,6 +10,7 @@ import torch
 import tiny
 from hydraspec.cli import main
 from hydraspec.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
+from hydraspec.train.fit import default_lr
 from hydraspec.models import shipped_suffix_store
 from hydraspec.stack import build_drafter
 
@@ -190,7 +191,6 @@ def test_eagle3_heads_train_draft_and_export(saved, tmp_path, capsys):
     assert rc == 0, err
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["kind"] == "eagle3" and len(cfg["feature_layers"]) >= 2 and cfg["draft_vocab"] == 40
-    from hydraspec.train.fit import default_lr
     opt = torch.load(out / "train_state.pt", weights_only=False)["opt"]  # no --lr: the kind's own rate
     assert opt["param_groups"][0]["initial_lr"] == default_lr("eagle3") < default_lr("hydra")
     common = ["generate", "--model", target, "--dtype", "float32", "--prompt", "w5 w6 w7", "--max-new-tokens", "10",

@@ -30,8 +30,7 @@ LEARNING_RATES = {"eagle3": 5e-4}  # a kind's peak learning rate where 1e-3 does
 
 def default_lr(kind: str) -> float:
     """The peak learning rate heads of ``kind`` train at unless told: 1e-3, and 5e-4 for an EAGLE-3 head,
-    which at 1e-3 learnt nothing past a unigram on Qwen2.5-Coder-1.5B (its layer reads three of the target's
-    layers, one with states of a few hundred in some channels)."""
+    which at 1e-3 learnt nothing past a unigram on Qwen2.5-Coder-1.5B (BENCHMARKS.md)."""
     return LEARNING_RATES.get(kind, 1e-3)
 
 
@@ -53,8 +52,8 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     draft for (their config names it). Needs the base in float32 and the original states of every
     sequence in the base cache.
 
-    The learning rate warms up linearly over the first 3 % of the steps and then follows a cosine down
-    to a tenth (:func:`lr_factor`). train_dtype "bfloat16" runs the heads' matmuls under bf16 autocast
+    The learning rate (its peak `lr`; None: the kind's own, :func:`default_lr`) warms up linearly over the
+    first 3 % of the steps and then follows a cosine down to a tenth (:func:`lr_factor`). train_dtype "bfloat16" runs the heads' matmuls under bf16 autocast
     (the parameters and the optimizer stay fp32); "auto" does so where the hardware computes bf16
     natively (CUDA, or a CPU with AVX512_BF16). The optimizer steps once per `accum` sequences (their
     gradients summed, each sequence's loss weighted 1 / accum; the last step of an epoch may have fewer,
