@@ -217,8 +217,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 train_heads(train_model, own, heads_dir, kind="hydra" if kind == "hydra++" else kind,
                             base_name=args.model, num_layers=4 if kind == "hydra++" else 1, epochs=args.epochs,
-                            lr=args.lr,
-                            distill=distill, heldout=0.0, prefix_layer=kind == "hydra++", progress=False,
+                            lr=args.lr, distill=distill, heldout=0.0, prefix_layer=kind == "hydra++", progress=False,
                             draft_vocab=args.draft_vocab, cache_bytes=8 << 30, accum=4,
                             head_options={"intermediate_size": args.eagle_intermediate}
                             if eagle and args.eagle_intermediate else None,

@@ -52,15 +52,15 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     draft for (their config names it). Needs the base in float32 and the original states of every
     sequence in the base cache.
 
-    The learning rate (its peak `lr`; None: the kind's own, :func:`default_lr`) warms up linearly over the
-    first 3 % of the steps and then follows a cosine down to a tenth (:func:`lr_factor`). train_dtype "bfloat16" runs the heads' matmuls under bf16 autocast
-    (the parameters and the optimizer stay fp32); "auto" does so where the hardware computes bf16
-    natively (CUDA, or a CPU with AVX512_BF16). The optimizer steps once per `accum` sequences (their
-    gradients summed, each sequence's loss weighted 1 / accum; the last step of an epoch may have fewer,
-    weighted 1 / their number): an AdamW step over the heads' parameters costs about as much as a
-    sequence's forward and backward on a CPU. The heads start from `seed` (and so does the order of the
-    sequences in each epoch). head_options: what the kind takes beyond the common sizes (EAGLE:
-    intermediate_size); eagle: the options of an EAGLE head's loss (train.losses.eagle_loss).
+    The learning rate (its peak `lr`; None: the kind's own, :func:`default_lr`) warms up linearly over the first 3 %
+    of the steps and then follows a cosine down to a tenth (:func:`lr_factor`). train_dtype "bfloat16" runs the
+    heads' matmuls under bf16 autocast (the parameters and the optimizer stay fp32); "auto" does so where the
+    hardware computes bf16 natively (CUDA, or a CPU with AVX512_BF16). The optimizer steps once per `accum`
+    sequences (their gradients summed, each sequence's loss weighted 1 / accum; the last step of an epoch may have
+    fewer, weighted 1 / their number): an AdamW step over the heads' parameters costs about as much as a sequence's
+    forward and backward on a CPU. The heads start from `seed` (and so does the order of the sequences in each
+    epoch). head_options: what the kind takes beyond the common sizes (EAGLE: intermediate_size); eagle: the options
+    of an EAGLE head's loss (train.losses.eagle_loss).
 
     Under `accelerate launch` with P processes (e.g. ``accelerate launch --multi_gpu --num_processes 2
     -m hydraspec.cli train-heads --device cpu ...``, gloo on the CPU), every process shuffles the sequences
