@@ -282,3 +282,29 @@ def test_eagle3_heads_load_back_in_speculators_with_the_same_logits(tmp_path):
                                        atol=1e-5, rtol=1e-4)
     hook.remove()
     assert got[0].argmax(-1).unique().numel() > 2  # logits that tell tokens apart
+
+
+def test_heads_loaded_for_drafting_run_on_the_4bit_kernels_and_stay_exact(tmp_path, tok):
+    """A bf16 CPU model's heads loaded to draft (``drafting=True``) run their layers as w4a8 (the draft models'
+    kernels); their drafts change, the answers do not."""
+    from hydraspec.cpu import kernels, quantized
+    if kernels.int8_dot_lib() is None:
+        pytest.skip("needs the native int8 kernel")
+    model = tiny.make_model("qwen2", seed=3).to(torch.bfloat16)
+    heads = _head(model, "eagle3", intermediate_size=64, feature_layers=[0, 1])
+    save_heads(heads, tmp_path / "e3", base_model="tiny-qwen2", tree=TREE)
+    loaded, _ = load_heads(tmp_path / "e3", model, drafting=True)
+    kept, _ = load_heads(tmp_path / "e3", model)
+    int8_layers = (quantized.W4A8Linear, quantized.W8A8Linear)
+    assert sum(isinstance(m, int8_layers) for m in loaded.modules()) == 8  # fc, q/k/v/o, gate/up/down
+    assert not any(isinstance(m, int8_layers) for m in kept.modules())
+    for prompt in ([5, 9, 2, 7, 7, 1, 5, 9], [3]):
+        ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=24)
+        drafter = make_drafter("eagle", heads=loaded, embed=model.get_input_embeddings(), tree=TREE)
+        res = SpeculativeGenerator(model, tok, drafter).generate(input_ids=prompt, max_new_tokens=24)
+        assert res.token_ids == ref.token_ids
+    hidden, _ = _features(model, [5, 9, 2, 7])  # the 4-bit layers compute what the bf16 ones do, roughly
+    e = model.get_input_embeddings()(torch.tensor([9, 2, 7, 1]))
+    with torch.no_grad():
+        a, b = loaded.step(hidden, e, torch.arange(4)).float(), kept.step(hidden, e, torch.arange(4)).float()
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.8 and not torch.equal(a, b)

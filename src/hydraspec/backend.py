@@ -11,13 +11,22 @@ from torch import nn
 
 from .cpu import attention, build, gguf, graph, kernels, mlp, norm, pages, quantized, rope
 
-__all__ = ["prepack", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword",
+__all__ = ["prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16", "packed_keyword",
            "rows_per_pass", "describe", "build_id", "cpu_model", "huge_pages", "compile_steps"]
 
 
 def prepack(module: nn.Module) -> int:
     """Put the module's CPU Linear layers on the backend's kernels (a no-op without them). Returns how many."""
     return kernels.prepack(module)
+
+
+def quantize_drafting(module: nn.Module) -> int:
+    """A module that only drafts, bf16 on a CPU with the native int8 kernel: its Linear layers as 4-bit codes
+    times int8 activations (``cpu.quantized.W4A8Linear``), as draft models run. Returns how many (0 elsewhere)."""
+    p = next(module.parameters(), None)
+    if p is None or p.device.type != "cpu" or p.dtype != torch.bfloat16 or kernels.int8_dot_lib() is None:
+        return 0
+    return quantized.quantize_w4a8(module)
 
 
 def unpack(module: nn.Module) -> nn.Module:

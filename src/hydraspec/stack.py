@@ -76,7 +76,7 @@ def build_drafter(args, target_tok, draft=None, model=None):
 def _heads_drafter(args, model):
     """medusa, hydra, hydra++, eagle and their pld+ forms: the heads of --heads with --tree (or their default)."""
     method = args.method
-    heads, cfg = load_heads(args.heads, model, base_model=args.model)
+    heads, cfg = load_heads(args.heads, model, base_model=args.model, drafting=True)
     lookup = {}
     if method.startswith("pld+"):
         lookup = dict(pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram, pld_min_ngram=args.pld_min_ngram)
@@ -94,7 +94,7 @@ def _auto_drafter(args, target_tok, draft, model):
     if draft is not None:
         costly["draft"] = _draft_drafter(args, target_tok, draft, "auto")
     if getattr(args, "heads", None):
-        heads, cfg = load_heads(args.heads, model, base_model=args.model)
+        heads, cfg = load_heads(args.heads, model, base_model=args.model, drafting=True)
         costly[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(),
                                           tree=cfg.get("default_tree"))
     return make_auto(model, costly, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,

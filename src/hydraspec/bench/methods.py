@@ -274,7 +274,7 @@ def pick_heads(dirs, method: str) -> str:
 def _heads(method: str):
     def factory(ctx: BenchContext) -> Runner:
         heads, cfg = load_heads(pick_heads(ctx.heads, method.removeprefix("pld+")), ctx.model,
-                                base_model=ctx.args.model)
+                                base_model=ctx.args.model, drafting=True)
         spec = getattr(ctx.args, "tree", None)
         opts = _tree_options(ctx.args, heads.num_heads) if spec else {"tree": cfg.get("default_tree")}
         base = method.removeprefix("pld+")

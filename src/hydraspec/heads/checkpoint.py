@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..backend import int8_per_row, prepack
+from ..backend import int8_per_row, prepack, quantize_drafting
 from ..errors import HydraspecError
 from ..features import set_feature_layers
 from .eagle import EagleHeads
@@ -109,10 +109,11 @@ def read_features(directories, model) -> None:
             set_feature_layers(model, layers)
 
 
-def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, dict]:
+def load_heads(directory, model, base_model: str | None = None, drafting: bool = False) -> tuple[Heads, dict]:
     """Load heads for `model`; refuses heads trained for a model of another shape or other weights (by the
     checkpoint's ``base_fingerprint``: any path to the same weights is accepted), or, for checkpoints
-    without a fingerprint, of another name."""
+    without a fingerprint, of another name. ``drafting``: the heads only draft, so on a bf16 CPU model their
+    layers run on the 4-bit draft-model kernels (backend.quantize_drafting; the answers never change)."""
     d = Path(directory)
     try:
         cfg = json.loads((d / "config.json").read_text())
@@ -138,7 +139,8 @@ def load_heads(directory, model, base_model: str | None = None) -> tuple[Heads, 
     heads = saved_heads(d, model, cfg)
     heads.to(device=model.device, dtype=model.dtype).eval()
     if model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
-
+        if drafting:
+            quantize_drafting(heads)
         prepack(heads)
     return heads, cfg
 
