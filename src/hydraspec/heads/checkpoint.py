@@ -138,11 +138,19 @@ def load_heads(directory, model, base_model: str | None = None, drafting: bool =
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
     heads = saved_heads(d, model, cfg)
     heads.to(device=model.device, dtype=model.dtype).eval()
-    if model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
-        if drafting:
-            quantize_drafting(heads)
+    if drafting:
+        drafting_kernels(heads)
+    elif model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
         prepack(heads)
     return heads, cfg
+
+
+def drafting_kernels(heads: Heads) -> Heads:
+    """Heads that only draft on the CPU kernels: on a bf16 model their layers as w4a8 (the draft models'
+    kernels: backend.quantize_drafting), the rest packed as the base's matmuls are. Returns them."""
+    quantize_drafting(heads)
+    prepack(heads)
+    return heads
 
 
 FRESH_DRAFT_VOCAB = 8192  # fresh heads of a larger vocabulary draft from its first ids

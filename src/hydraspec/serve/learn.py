@@ -33,10 +33,10 @@ try:  # transformers 5: module initialisation skipped inside this context
 except ImportError:  # elsewhere: weights are drawn and then overwritten
     from contextlib import nullcontext as no_init_weights
 
-from ..backend import eager_forward, prepack, quantize_drafting
+from ..backend import eager_forward
 from ..cache import cache_kwargs
 from ..features import features
-from ..heads import base_fingerprint, build_heads, heads_config, heads_state, saved_heads
+from ..heads import base_fingerprint, build_heads, drafting_kernels, heads_config, heads_state, saved_heads
 from ..train.data import load_answers
 from ..train.losses import heads_loss
 from ..train.trainer import BaseOutputs, accuracy, autocast_dtype, eval_counts, fused_options, is_heldout, \
@@ -364,8 +364,7 @@ class HeadLearner:
         the heads are written later, in slices (_put_heads)."""
         self.live = clone_heads(self.candidate, self.model)
         installed = clone_heads(self.candidate, self.model).to(dtype=self.model.dtype).eval().requires_grad_(False)
-        quantize_drafting(installed)  # as load_heads(drafting=True) puts them
-        prepack(installed)
+        drafting_kernels(installed)
         for d in self.drafters:
             d.heads = installed
         self.stats.swaps += 1
