@@ -308,3 +308,31 @@ def test_heads_loaded_for_drafting_run_on_the_4bit_kernels_and_stay_exact(tmp_pa
     with torch.no_grad():
         a, b = loaded.step(hidden, e, torch.arange(4)).float(), kept.step(hidden, e, torch.arange(4)).float()
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.8 and not torch.equal(a, b)
+
+
+def test_a_following_head_in_auto_reads_every_committed_pair_and_stays_exact(tok):
+    """Inside ``auto`` a following EAGLE drafter is asked every step, so its layer has read every committed
+    pair whenever it proposes (asked only when chosen, it would skip the pairs of the steps between); the
+    answers equal plain decoding's."""
+    from hydraspec.drafters import make_auto
+
+    model = tiny.cached_model("qwen2", "sdpa", 1)
+    heads = _head(model, "eagle3")
+    follower = make_drafter("eagle", heads=heads, embed=model.get_input_embeddings(), tree=[[0]], follow=True)
+    assert follower.cheap
+    seen, propose_one = [], follower.propose_one
+
+    def spy(row, state):
+        tree = propose_one(row, state)
+        seen.append((row.fed, len(state.tokens) - 1))
+        return tree
+
+    follower.propose_one = spy
+    for prompt in ([5, 9, 2, 7, 7, 1, 5, 9], [3]):
+        seen.clear()
+        ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=24)
+        auto = make_auto(model, {"eagle3": follower}, cost={1: 1.0, 16: 1.0})
+        res = SpeculativeGenerator(model, tok, auto).generate(input_ids=prompt, max_new_tokens=24)
+        assert res.token_ids == ref.token_ids
+        assert len(seen) >= res.stats.target_forwards - 1
+        assert all(fed == end for fed, end in seen), seen

@@ -105,7 +105,7 @@ def make_drafter(method: str, draft_model=None, target_tokenizer=None, draft_tok
             if parse_dynamic(tree):
                 raise HydraspecError("EAGLE heads draft static trees (--tree FILE or the heads' default), not 'dynamic'")
             return EagleDrafter(heads, embed, tree or default_tree(heads.num_heads),
-                                **{k: options[k] for k in ("min_prob",) if options.get(k) is not None})
+                                **{k: options[k] for k in ("min_prob", "follow") if options.get(k) is not None})
         if parse_dynamic(tree):
             return DynamicHeadDrafter(heads, embed, **dyn)
         return HeadDrafter(heads, embed, tree or default_tree(heads.num_heads))

@@ -22,6 +22,9 @@ class EagleRow:
     root: torch.Tensor | None = None  # the head's output at the last committed pair
 
 
+FOLLOW_TREE = [[0]]  # a following head's proposal inside auto: one node (BENCHMARKS.md)
+
+
 class EagleDrafter(Drafter):
     """Drafting with an EAGLE head (Li et al. 2024; heads.eagle): a static token tree filled depth by depth.
 
@@ -39,14 +42,18 @@ class EagleDrafter(Drafter):
     under it, and is not fed to the head: as in EAGLE-2, the head's confidence stands in for the chance that
     the target accepts the node, so nodes unlikely to be accepted cost neither a draft forward nor a verify
     row. (Sampling keeps the whole tree: leaving out drawn tokens by their value would bias what is drawn.)
+
+    ``follow``: the drafter counts as ``cheap``, so a drafter chosen per step (``auto``) asks it every step
+    and scores the proposals it does not verify. Its layer then reads every committed pair; asked only now and
+    then, its cache would miss the pairs of the steps between (``_commit`` skips them).
     """
 
     needs_hidden = True
 
-    def __init__(self, heads, embed: torch.nn.Module, paths, min_prob: float = 0.0):
+    def __init__(self, heads, embed: torch.nn.Module, paths, min_prob: float = 0.0, follow: bool = False):
         if not 0.0 <= min_prob < 1.0:
             raise HydraspecError(f"min_prob must be in [0, 1), got {min_prob}")
-        self.heads, self.embed, self.min_prob = heads, embed, min_prob
+        self.heads, self.embed, self.min_prob, self.cheap = heads, embed, min_prob, follow
         self.name = heads.kind
         if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
             paths = load_tree_spec(paths)
