@@ -179,8 +179,8 @@ def test_train_heads_command(saved, tmp_path, capsys):
 
 
 def test_eagle3_heads_train_draft_and_export(saved, tmp_path, capsys):
-    """train-heads --kind eagle3, drafting with them (--method eagle) equal to plain decoding, and export-heads
-    writing the speculators layout (loaded back by speculators itself in test_eagle); other kinds refused."""
+    """train-heads --kind eagle3, drafting with them (--method eagle, and inside auto) equal to plain decoding,
+    and export-heads writing the speculators layout (loaded back by speculators itself in test_eagle); other kinds refused."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w{i + 1}"]})
                                  for i in range(4)))
@@ -199,6 +199,9 @@ def test_eagle3_heads_train_draft_and_export(saved, tmp_path, capsys):
     rc, e3, err = run(capsys, *common, "--method", "eagle", "--heads", str(out))
     assert rc == 0, err
     assert json.loads(e3)["token_ids"] == json.loads(ar)["token_ids"]
+    rc, au, err = run(capsys, *common, "--method", "auto", "--heads", str(out))  # the head follows inside auto
+    assert rc == 0, err
+    assert json.loads(au)["token_ids"] == json.loads(ar)["token_ids"]
     rc, _, err = run(capsys, "export-heads", "--model", target, "--dtype", "float32", "--heads", str(out), "--out",
                      str(tmp_path / "spec"), "--verifier", "Org/Base-1B")
     assert rc == 0, err

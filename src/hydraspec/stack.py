@@ -6,6 +6,7 @@ import torch
 
 from . import models
 from .drafters import DRAFT_METHODS, HEAD_METHODS, check_method, make_auto, make_drafter
+from .drafters.eagle import FOLLOW_TREE
 from .drafters.hybrid import LookupHybridDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import HydraspecError
@@ -90,14 +91,14 @@ def _heads_drafter(args, model):
 
 def _auto_drafter(args, target_tok, draft, model):
     """Prompt lookup, suffix decoding and predictions, plus the draft model and heads where given."""
-    costly = {}
+    more = {}
     if draft is not None:
-        costly["draft"] = _draft_drafter(args, target_tok, draft, "auto")
-    if getattr(args, "heads", None):
+        more["draft"] = _draft_drafter(args, target_tok, draft, "auto")
+    if getattr(args, "heads", None):  # EAGLE heads follow every step with one node (drafters.eagle.FOLLOW_TREE)
         heads, cfg = load_heads(args.heads, model, base_model=args.model, drafting=True)
-        costly[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(),
-                                          tree=cfg.get("default_tree"))
-    return make_auto(model, costly, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,
+        follow = {"tree": FOLLOW_TREE, "follow": True} if heads.method == "eagle" else {"tree": cfg.get("default_tree")}
+        more[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(), **follow)
+    return make_auto(model, more, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,
                      pld_min_ngram=args.pld_min_ngram, store=suffix_store_for(args))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..backend import int8_per_row, prepack, quantize_drafting
+from ..backend import fuse_ops, int8_per_row, prepack, quantize_drafting
 from ..errors import HydraspecError
 from ..features import set_feature_layers
 from .eagle import EagleHeads
@@ -147,9 +147,11 @@ def load_heads(directory, model, base_model: str | None = None, drafting: bool =
 
 def drafting_kernels(heads: Heads) -> Heads:
     """Heads that only draft on the CPU kernels: on a bf16 model their layers as w4a8 (the draft models'
-    kernels: backend.quantize_drafting), the rest packed as the base's matmuls are. Returns them."""
+    kernels: backend.quantize_drafting), the rest packed as the base's matmuls are, norms, rotary embedding
+    and gated MLP on the fused ops (backend.fuse_ops: the same results). Returns them."""
     quantize_drafting(heads)
     prepack(heads)
+    fuse_ops(heads)
     return heads
 
 
