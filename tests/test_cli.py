@@ -180,7 +180,8 @@ def test_train_heads_command(saved, tmp_path, capsys):
 
 def test_eagle3_heads_train_draft_and_export(saved, tmp_path, capsys):
     """train-heads --kind eagle3, drafting with them (--method eagle, and inside auto) equal to plain decoding,
-    and export-heads writing the speculators layout (loaded back by speculators itself in test_eagle); other kinds refused."""
+    and export-heads writing the speculators layout (loaded back by speculators itself in test_eagle); other kinds
+    refused."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w{i + 1}"]})
                                  for i in range(4)))
