@@ -45,7 +45,8 @@ class EagleDrafter(Drafter):
 
     ``follow``: the drafter counts as ``cheap``, so a drafter chosen per step (``auto``) asks it every step
     and scores the proposals it does not verify. Its layer then reads every committed pair; asked only now and
-    then, its cache would miss the pairs of the steps between (``_commit`` skips them).
+    then, its cache would miss the pairs of the steps between (``_commit`` skips them). Its proposal is then
+    paid every step, for every row of a batch.
     """
 
     needs_hidden = True
