@@ -96,8 +96,8 @@ def _auto_drafter(args, target_tok, draft, model):
         more["draft"] = _draft_drafter(args, target_tok, draft, "auto")
     if getattr(args, "heads", None):  # EAGLE heads follow every step with one node (drafters.eagle.FOLLOW_TREE)
         heads, cfg = load_heads(args.heads, model, base_model=args.model, drafting=True)
-        follow = {"tree": FOLLOW_TREE, "follow": True} if heads.method == "eagle" else {"tree": cfg.get("default_tree")}
-        more[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(), **follow)
+        opts = {"tree": FOLLOW_TREE, "follow": True} if heads.method == "eagle" else {"tree": cfg.get("default_tree")}
+        more[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(), **opts)
     return make_auto(model, more, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,
                      pld_min_ngram=args.pld_min_ngram, store=suffix_store_for(args))
 

@@ -138,10 +138,11 @@ def load_heads(directory, model, base_model: str | None = None, drafting: bool =
         raise HydraspecError(f"heads in '{d}' were trained for '{cfg['base_model']}', not '{base_model}'")
     heads = saved_heads(d, model, cfg)
     heads.to(device=model.device, dtype=model.dtype).eval()
-    if drafting:
-        drafting_kernels(heads)
-    elif model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
-        prepack(heads)
+    if model.device.type == "cpu":  # the CPU kernels of the base serve the heads' few-row matmuls too
+        if drafting:
+            drafting_kernels(heads)
+        else:
+            prepack(heads)
     return heads, cfg
 
 
