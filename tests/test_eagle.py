@@ -311,30 +311,28 @@ def test_heads_loaded_for_drafting_run_on_the_4bit_kernels_and_stay_exact(tmp_pa
 
 
 def test_a_following_head_in_auto_reads_every_committed_pair_and_stays_exact(tok):
-    """Inside ``auto`` a following EAGLE drafter is asked only where it may pay (here, where extra verify
-    tokens are dear, only on its periodic tries) and is given the other steps, so its layer has read every
-    committed pair whenever it proposes (without them its cache would have holes); the answers equal plain
-    decoding's."""
+    """Inside ``auto`` a following EAGLE drafter is asked every step, so its layer has read every committed
+    pair whenever it proposes (asked only when chosen, it would skip the pairs of the steps between); the
+    answers equal plain decoding's."""
     from hydraspec.drafters import make_auto
-    from hydraspec.drafters.auto import EXPLORE
 
     model = tiny.cached_model("qwen2", "sdpa", 1)
     heads = _head(model, "eagle3")
     follower = make_drafter("eagle", heads=heads, embed=model.get_input_embeddings(), tree=[[0]], follow=True)
-    assert follower.cheap and follower.skippable
+    assert follower.cheap
     seen, propose_one = [], follower.propose_one
 
     def spy(row, state):
         tree = propose_one(row, state)
-        seen.append((row.cache.get_seq_length(), len(state.tokens) - 1))
+        seen.append((row.fed, len(state.tokens) - 1))
         return tree
 
     follower.propose_one = spy
     for prompt in ([5, 9, 2, 7, 7, 1, 5, 9], [3]):
         seen.clear()
-        ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=48)
-        auto = make_auto(model, {"eagle3": follower}, cost={1: 1.0, 2: 50.0, 16: 400.0})
-        res = SpeculativeGenerator(model, tok, auto).generate(input_ids=prompt, max_new_tokens=48)
+        ref = SpeculativeGenerator(model, tok).generate(input_ids=prompt, max_new_tokens=24)
+        auto = make_auto(model, {"eagle3": follower}, cost={1: 1.0, 16: 1.0})
+        res = SpeculativeGenerator(model, tok, auto).generate(input_ids=prompt, max_new_tokens=24)
         assert res.token_ids == ref.token_ids
-        assert 2 <= len(seen) <= res.stats.target_forwards // EXPLORE + 1, (len(seen), res.stats.target_forwards)
-        assert all(read == end for read, end in seen), seen
+        assert len(seen) >= res.stats.target_forwards - 1
+        assert all(fed == end for fed, end in seen), seen

@@ -23,21 +23,18 @@ or none (plain decoding). What decides, all measured on this machine and this se
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is
 not verified it is still scored against the tokens decoded next (greedy: exactly what verification would
-have accepted), so their estimates stay current at no cost. A cheap drafter whose proposal still costs
-something (``skippable``: a following head's layer) is asked for a row only where its one-node proposal, at
-its chance and with its seconds, could beat the row's best option without it, and once every EXPLORE steps
-regardless, to keep its estimate current; on the other steps it is only given the step (``Drafter.track``).
-A drafter with a forward of its own is run only when chosen; one not tried on a sequence for EXPLORE steps is
-tried once if its optimistic estimate could beat the best and the time it would save over the rest of the
-answer outweighs what trying costs: a drafter with a forward of its own first reads every token it has not
-seen (on first use, the prompt less what it takes from earlier sequences: ``Drafter.known``), at its measured
-seconds per token read, and its step may give fewer tokens per second than the best option. The rows choose in
-turn (the most promising first) on the batch's expected tokens per second: with T tokens already in the step's
-forward (one a row, the prompt chunks read beside them, the drafts of the rows that chose before) and E tokens
-expected from it, a row's option is worth (E + its expected extra tokens) / (c(T + its nodes) + drafting
-seconds), plain decoding E / c(T): a draft that pays alone does not when others already fill the forward. A
-costly drafter's proposal is cut to the nodes that pay, as a cheap one's is. The output never depends on the
-choice: every proposal is verified by the target.
+have accepted), so their estimates stay current at no cost. A drafter with a forward of its own is run only
+when chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could
+beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
+drafter with a forward of its own first reads every token it has not seen (on first use, the prompt less what
+it takes from earlier sequences: ``Drafter.known``), at its measured seconds per token read, and its step
+may give fewer tokens per second than the best option. The rows choose in turn (the most promising first) on
+the batch's expected tokens per second: with T tokens already in the step's forward (one a row, the prompt
+chunks read beside them, the drafts of the rows that chose before) and E tokens expected from it, a row's
+option is worth (E + its expected extra tokens) / (c(T + its nodes) + drafting seconds), plain decoding
+E / c(T): a draft that pays alone does not when others already fill the forward. A costly drafter's proposal
+is cut to the nodes that pay, as a cheap one's is. The output never depends on the choice: every proposal is
+verified by the target.
 """
 from __future__ import annotations
 
@@ -102,7 +99,6 @@ class AutoRow:
     stat: str | None = None  # where that proposal's acceptance is counted (stat_key)
     depths: list[int] = field(default_factory=list)  # that proposal's node depths
     tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
-    asked: dict[str, int] = field(default_factory=dict)  # skippable drafter -> steps since it was last asked
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     known: dict[str, int] = field(default_factory=dict)  # costly drafter not yet used -> Drafter.known, asked once
     shadows: dict[str, tuple[int, list[int], str]] = field(default_factory=dict)  # unverified cheap chains
@@ -119,7 +115,6 @@ class AutoDrafter(Drafter):
     def __init__(self, drafters: dict[str, Drafter], cost: dict[int, float], block: int | None = None):
         self.drafters = drafters
         self.cheap = {n: d for n, d in drafters.items() if d.cheap}
-        self.skippable = [n for n, d in self.cheap.items() if getattr(d, "skippable", False)]
         self.costly = {n: d for n, d in drafters.items() if not d.cheap}
         self.max_nodes = max([d.max_nodes for d in drafters.values()] + [0])
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
@@ -141,10 +136,8 @@ class AutoDrafter(Drafter):
         self.step = self.packed.forward(forward_rows)
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
-        cheap = {n: self._timed(n, states) for n in self.cheap if n not in self.skippable}
+        cheap = {n: self._timed(n, states) for n in self.cheap}
         offers = [{n: t[b] for n, t in cheap.items()} for b in range(len(states))]
-        for n in self.skippable:
-            self._ask_where_worth(n, rows, states, offers)
         out = [DraftTree.empty() for _ in states]
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
         before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
@@ -177,29 +170,6 @@ class AutoDrafter(Drafter):
             choice = first[b] if load is alone else self._choose(rows[b], states[b], load, offers[b])
             yield b, load, choice
             load = choice.after
-
-    def _ask_where_worth(self, name: str, rows: list[AutoRow], states: list[DecodeState],
-                         offers: list[dict[str, DraftTree]]) -> None:
-        """A skippable drafter's proposals join the offers of the rows where asking it may pay (or where a try
-        is due); the other rows only give it their step."""
-        alone = Load(len(states) + self.beside, len(states))
-        ask = [b for b in range(len(states)) if self._worth_asking(rows[b], states[b], name, alone, offers[b])]
-        rest = [s for b, s in enumerate(states) if b not in ask]
-        if rest:
-            self.drafters[name].track(rest)
-        if ask:
-            for b, tree in zip(ask, self._timed(name, [states[b] for b in ask])):
-                offers[b][name] = tree
-        for b, row in enumerate(rows):
-            row.asked[name] = 0 if b in ask else row.asked.get(name, 0) + 1
-
-    def _worth_asking(self, row: AutoRow, s: DecodeState, name: str, load: Load, offers: dict[str, DraftTree]) -> bool:
-        """Whether a one-node proposal of ``name`` at its chance could beat the row's best option without it."""
-        if row.asked.get(name, EXPLORE) >= EXPLORE:
-            return True
-        p, c = self.chances(row, name, 1)[0], self.step
-        hope = (load.expect + p) / (c(load.tokens + 1) + load.seconds + self.seconds[name])
-        return hope > self._choose(row, s, load, offers).rate
 
     def _timed(self, name: str, states: list[DecodeState]) -> list[DraftTree]:
         t0 = time.perf_counter()

@@ -55,9 +55,7 @@ class Drafter:
 
     name: the method's name. max_nodes: an upper bound on the size of any proposed tree. needs_hidden: the
     drafter reads the target's hidden states (DecodeState.hidden / new_hidden). cheap: proposing costs next
-    to nothing (no model forward), so a load rule may let it always propose. skippable: a cheap drafter whose
-proposal still costs something (a following head's layer) and that a paced drafter may leave unasked for a
-row on a step; it is then given the step through ``track`` instead. paced: it sizes its proposals
+    to nothing (no model forward), so a load rule may let it always propose. paced: it sizes its proposals
     by their measured cost itself, so no load rule cuts them. beside: prompt tokens that joining rows read in
     the same forward as the proposals (set by the engine before each ``propose``; a paced drafter counts them
     in the step's cost); readers: the rows among them that only read (do not decode). limit: the most nodes a
@@ -68,7 +66,6 @@ row on a step; it is then given the step through ``track`` instead. paced: it si
     needs_hidden = False
     max_nodes = 0
     cheap = False
-    skippable = False
     paced = False
     beside = 0
     readers = 0
@@ -79,10 +76,6 @@ row on a step; it is then given the step through ``track`` instead. paced: it si
 
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
         """verdicts[b]: how the last proposal for states[b] fared."""
-
-    def track(self, states: list[DecodeState]) -> None:
-        """A skippable drafter not asked for these rows this step: it keeps what it needs of the step (the
-        committed tokens' states) for its next proposal."""
 
     def forget(self) -> None:
         """Drop what finished sequences left for later ones (earlier answers); sequences in flight keep theirs."""

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,12 +18,9 @@ class EagleRow:
 
     cache: object
     fed: int = 0  # positions read
-    seen: torch.Tensor | None = None  # the last new_hidden taken (taken once)
+    seen: torch.Tensor | None = None  # the last new_hidden read (read once)
     root: torch.Tensor | None = None  # the head's output at the last committed pair
-    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, states) not read
 
-
-PENDING = 64  # a following head left unasked reads its pending pairs once it holds this many
 
 FOLLOW_TREE = [[0]]  # a following head's proposal inside auto: one node (BENCHMARKS.md)
 
@@ -46,11 +43,10 @@ class EagleDrafter(Drafter):
     the target accepts the node, so nodes unlikely to be accepted cost neither a draft forward nor a verify
     row. (Sampling keeps the whole tree: leaving out drawn tokens by their value would bias what is drawn.)
 
-    ``follow``: the drafter counts as ``cheap`` and ``skippable``: a drafter chosen per step (``auto``) asks
-    it on the steps where its proposal may pay for itself and scores the proposals it does not verify. On the
-    other steps it is given the committed pairs (``track``) and its layer reads them all at its next proposal,
-    in one forward (or once PENDING pile up), so its cache has no holes; a head run only when chosen, without
-    ``track``, skips the pairs of the steps between.
+    ``follow``: the drafter counts as ``cheap``, so a drafter chosen per step (``auto``) asks it every step
+    and scores the proposals it does not verify. Its layer then reads every committed pair; asked only now and
+    then, its cache would miss the pairs of the steps between (``_commit`` skips them). Its proposal is then
+    paid every step, for every row of a batch.
     """
 
     needs_hidden = True
@@ -58,7 +54,7 @@ class EagleDrafter(Drafter):
     def __init__(self, heads, embed: torch.nn.Module, paths, min_prob: float = 0.0, follow: bool = False):
         if not 0.0 <= min_prob < 1.0:
             raise HydraspecError(f"min_prob must be in [0, 1), got {min_prob}")
-        self.heads, self.embed, self.min_prob, self.cheap, self.skippable = heads, embed, min_prob, follow, follow
+        self.heads, self.embed, self.min_prob, self.cheap = heads, embed, min_prob, follow
         self.name = heads.kind
         if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
             paths = load_tree_spec(paths)
@@ -75,40 +71,20 @@ class EagleDrafter(Drafter):
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         return [self.propose_one(self.rows.of(s), s) for s in states]
 
-    @torch.inference_mode()
-    def track(self, states: list[DecodeState]) -> None:
-        for s in states:
-            row = self.rows.of(s)
-            self._take(row, s)
-            if sum(len(t) for _, t in row.pending) >= PENDING:
-                self._commit(row, s)
-
-    @staticmethod
-    def _take(row: EagleRow, state: DecodeState) -> None:
-        """Keep the states of the pairs committed since the last step (the pending token is the last's); after a
-        step it was not given, only the newer ones."""
-        new = state.new_hidden
-        if new is not None and new is not row.seen:
-            first = len(state.tokens) - 1 - new.shape[0]
-            if row.pending and row.pending[-1][0] + len(row.pending[-1][1]) != first:
-                row.pending.clear()
-            row.pending.append((first, new.clone()))  # (the engine may reuse its buffer)
-            row.seen = new
-
     def _commit(self, row: EagleRow, state: DecodeState) -> torch.Tensor | None:
-        """Feed the head the pairs committed since it last read; returns its output at the last one."""
-        self._take(row, state)
-        if not row.pending:
+        """Feed the head the pairs committed since the last call; returns its output at the last one."""
+        new = state.new_hidden
+        if new is None or new is row.seen:
             return row.root
         end = len(state.tokens) - 1  # committed positions [0, end); tokens[end] is the pending token
-        start = max(row.pending[0][0], row.fed)  # pairs never given (a step it did not see) are skipped
-        feats = torch.cat([t for _, t in row.pending])[start - row.pending[0][0]:]
-        row.pending.clear()
-        if start < end:
-            toks = torch.tensor(state.tokens[start + 1:end + 1], device=feats.device)
-            pos = torch.arange(start, end, device=feats.device)
+        first = max(end - new.shape[0], row.fed)  # a step that drafted nothing leaves a gap: skipped
+        if first < end:
+            feats = new[new.shape[0] - (end - first):]
+            toks = torch.tensor(state.tokens[first + 1:end + 1], device=feats.device)
+            pos = torch.arange(first, end, device=feats.device)
             out = self.heads.step(feats, self.embed(toks), pos, row.cache)
             row.root, row.fed = out[-1], end
+        row.seen = new
         return row.root
 
     @torch.inference_mode()
