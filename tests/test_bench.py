@@ -167,7 +167,7 @@ def test_methods_registry_and_args():
     args = _parse(["--model", "m", "--prompts", "x.jsonl", "--out", "o"])
     assert args.methods == "ar,pld,hf-ar,hf-pld" and args.max_new_tokens == 128 and args.seed == 0
     assert args.func is not None and args.dtype == "bfloat16" and args.device == "auto"
-    with pytest.raises(HydraspecError, match="only used by the medusa/hydra methods"):
+    with pytest.raises(HydraspecError, match="only used by the auto, medusa, hydra and eagle methods"):
         run_bench(_parse(["--model", "m", "--prompts", "x.jsonl", "--out", "o", "--heads", "h"]))
     with pytest.raises(HydraspecError, match="medusa need --heads"):
         run_bench(_parse(["--model", "m", "--prompts", "x.jsonl", "--out", "o", "--methods", "ar,medusa"]))

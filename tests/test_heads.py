@@ -1,5 +1,6 @@
 """Draft heads: module shapes and init, checkpoints, and exact greedy decoding with head drafters."""
 import copy
+import json
 
 import pytest
 import torch
@@ -200,6 +201,47 @@ def test_int8_shipped_copy_loads_close_to_the_original_and_stays_exact(tok, tmp_
                                                               max_new_tokens=20).token_ids == ref.token_ids
 
 
+def test_int4_shipped_copy_keeps_its_codes_when_loaded_and_stays_exact(tok, tmp_path):
+    """copy_heads(..., "int4") stores each matrix as 4-bit codes with a scale per row and group of inputs (under
+    a fifth of the fp32 size); loaded back, every weight is within half a code step of the original, quantising
+    the loaded weights again (as the w4a8 drafting kernels do, from bf16) gives the stored codes, and drafting
+    with them is still exact."""
+    from safetensors.torch import load_file
+
+    from hydraspec.heads.checkpoint import INT4_SCALE, copy_heads
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    heads = build_heads("hydra", model, num_heads=4, num_layers=2, prefix_layer=True)
+    _perturb(heads, 0.05, seed=3)
+    save_heads(heads, tmp_path / "fp32", base_model="tiny-llama")
+    copy_heads(tmp_path / "fp32", tmp_path / "int4", "int4")
+    size = {n: (tmp_path / n / "heads.safetensors").stat().st_size for n in ("fp32", "int4")}
+    assert size["int4"] < 0.2 * size["fp32"]
+    stored = load_file(str(tmp_path / "int4" / "heads.safetensors"))
+    assert any(k.endswith(INT4_SCALE) for k in stored)
+    loaded, _ = load_heads(tmp_path / "int4", model)
+    for (name, a), b in zip(heads.state_dict().items(), loaded.state_dict().values()):
+        if name + INT4_SCALE in stored:
+            scale = stored[name + INT4_SCALE].float()
+            group = a.shape[1] // scale.shape[1]
+            step = scale.repeat_interleave(group, dim=1)
+            assert ((a - b).abs() <= step / 2 + a.abs() / 128 + 1e-6).all(), name
+            assert torch.equal(_int4_codes(b, group), stored[name]), name
+    ref = SpeculativeGenerator(model, tok).generate(input_ids=[5, 9, 2, 7], max_new_tokens=20)
+    drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE)
+    assert SpeculativeGenerator(model, tok, drafter).generate(input_ids=[5, 9, 2, 7],
+                                                              max_new_tokens=20).token_ids == ref.token_ids
+
+
+def _int4_codes(w, group):
+    """4-bit codes of ``w`` by the w4a8 draft kernels' rule (absmax / 7 per group of inputs, from bf16), packed
+    as copy_heads packs them."""
+    g = w.to(torch.bfloat16).float().view(w.shape[0], -1, group)
+    q = (torch.round(g / (g.abs().amax(-1, keepdim=True) / 7.0).clamp_min(1e-12)).clamp(-8, 7) + 8).to(torch.uint8)
+    q = q.view(w.shape[0], -1, 2)
+    return q[..., 0] | (q[..., 1] << 4)
+
+
 def test_draft_vocabulary_heads_are_exact_greedy_and_lossless_q(tok, tmp_path):
     model = tiny.cached_model("llama", "sdpa", 1)
     v = model.config.vocab_size
@@ -326,3 +368,39 @@ def test_heads_know_their_base_by_its_weights(tmp_path):
     other = tiny.cached_model("llama", "sdpa", 2)  # same shape, other weights
     with pytest.raises(HydraspecError, match="other weights"):
         load_heads(tmp_path / "h", other, base_model="tiny-llama")
+
+
+def test_auto_takes_the_heads_shipped_for_an_offline_model_unless_told_none():
+    """The Qwen 1.5B's shipped EAGLE-3 head (4-bit, under 25 MB, its training recorded) is what `auto` drafts
+    with by default (generate/serve --method auto, auto among bench's --methods); --heads none, other methods,
+    --learn and models without shipped heads leave --heads as given."""
+    from argparse import Namespace
+
+    from safetensors.torch import load_file
+
+    from hydraspec.heads.checkpoint import INT4_SCALE
+    from hydraspec.models import shipped_heads
+    from hydraspec.options import resolve_heads_arg
+
+    qwen = "qwen2.5-coder-1.5b-instruct"
+    d = shipped_heads(qwen)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["base_model"] == qwen and cfg["kind"] == "eagle3" and cfg["base_fingerprint"]
+    assert "train_command" in cfg and "train_prompts" in cfg
+    assert (d / "heads.safetensors").stat().st_size < 25e6
+    assert any(k.endswith(INT4_SCALE) for k in load_file(str(d / "heads.safetensors")))
+    assert shipped_heads("smollm2-135m-instruct") is None and shipped_heads("some/dir") is None
+
+    def heads(**kw):
+        args = Namespace(**{"model": qwen, "heads": None, **kw})
+        resolve_heads_arg(args)
+        return args.heads
+
+    assert heads(method="auto") == str(d)
+    assert heads(method="auto", heads="none") is None
+    assert heads(method="auto", heads="mine") == "mine"
+    assert heads(method="pld") is None
+    assert heads(method="auto", learn="dir") is None
+    assert heads(method="auto", model="smollm2-135m-instruct") is None
+    assert heads(methods="ar,auto") == [str(d)] and heads(methods="ar,pld") is None
+    assert heads(methods="ar,auto", heads=["none"]) is None

@@ -21,7 +21,7 @@ from .inputs import load_batch_trees, read_prompt_lines
 from .memory import gib
 from .models import DEVICES, DTYPES
 from .options import ACCEPTOR_CHOICES, METHOD_HELP, add_method_args, add_model_args, add_sampling_args, \
-    add_verify_budget_arg, resolve_precision_args
+    add_verify_budget_arg, resolve_heads_arg, resolve_precision_args
 from .stack import check_args_method, load_stack
 from .train.command import add_parser as add_train_parser
 from .train.export import add_parser as add_export_parser
@@ -308,6 +308,7 @@ def main(argv=None) -> int:
         os.environ["HYDRASPEC_PREPACK"] = "0"
     try:
         resolve_precision_args(args)  # what --dtype and --quant mean together, before anything loads
+        resolve_heads_arg(args)  # --heads none, or the heads auto takes by default
         rc = args.func(args)
     except HydraspecError as e:
         print(f"hydraspec: error: {e}", file=sys.stderr)

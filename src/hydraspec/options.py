@@ -9,7 +9,8 @@ import sys
 
 from .drafters.suffix import load_store
 from .errors import HydraspecError
-from .models import DEVICES, DTYPES, QUANTS, resolve_precision, shipped_draft_tree, shipped_suffix_store
+from .models import DEVICES, DTYPES, QUANTS, resolve_precision, shipped_draft_tree, shipped_heads, \
+    shipped_suffix_store
 
 
 
@@ -145,6 +146,21 @@ def add_suffix_store_arg(p) -> None:
                         "(default: none; it helps everyday prompts and slows a run of like requests, BENCHMARKS.md)")
 
 
+def resolve_heads_arg(args) -> None:
+    """What --heads means: 'none', no heads; unset where ``auto`` drafts (--method auto, or auto among the
+    bench's --methods; not with --learn, which keeps its own), the heads shipped for an offline model
+    (models.shipped_heads), if any; else the directory given."""
+    if not hasattr(args, "heads"):
+        return
+    if args.heads in ("none", ["none"]):
+        args.heads = None
+    elif args.heads is None and not getattr(args, "learn", None):
+        methods = getattr(args, "methods", None) or getattr(args, "method", None) or ""
+        if "auto" in [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods)]:
+            found = shipped_heads(args.model) if getattr(args, "model", None) else None
+            args.heads = None if found is None else str(found) if hasattr(args, "method") else [str(found)]
+
+
 def suffix_store_for(args) -> list[list[int]] | None:
     """The answers of --suffix-store (hydraspec.drafters.suffix.load_store): a file, 'shipped' (the store shipped
     for ``args``' offline model, if any), or None (the default)."""
@@ -189,7 +205,8 @@ def add_method_args(p) -> None:
     p.add_argument("--draft-leaves", type=int, default=None, metavar="N",
                    help="greedy draft chain: hang up to N of the draft model's runner-up tokens on the chain as "
                         "extra leaves (one verify row each, no draft forward; default 0)")
-    p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra, hydra++, eagle)")
+    p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra, hydra++, eagle, auto); "
+                                   "auto takes the heads shipped for an offline model unless given 'none'")
     p.add_argument("--min-prob", type=float, default=None, metavar="P",
                    help="eagle, greedy: leave out tree nodes whose path probability under the head is below P "
                         "(default: the heads' own, from their config.json, else 0 = the whole tree)")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import models
-from .drafters import DRAFT_METHODS, HEAD_METHODS, check_method, make_auto, make_drafter
-from .drafters.eagle import FOLLOW_TREE
+from .drafters import DRAFT_METHODS, HEAD_METHODS, auto_heads, check_method, make_auto, make_drafter
 from .drafters.hybrid import LookupHybridDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import HydraspecError
@@ -94,10 +93,9 @@ def _auto_drafter(args, target_tok, draft, model):
     more = {}
     if draft is not None:
         more["draft"] = _draft_drafter(args, target_tok, draft, "auto")
-    if getattr(args, "heads", None):  # EAGLE heads follow every step with one node (drafters.eagle.FOLLOW_TREE)
+    if getattr(args, "heads", None):
         heads, cfg = load_heads(args.heads, model, base_model=args.model, drafting=True)
-        opts = {"tree": FOLLOW_TREE, "follow": True} if heads.method == "eagle" else {"tree": cfg.get("default_tree")}
-        more[heads.kind] = make_drafter(heads.method, heads=heads, embed=model.get_input_embeddings(), **opts)
+        more.update(auto_heads(heads, cfg, model.get_input_embeddings()))
     return make_auto(model, more, pld_tokens=args.pld_tokens, pld_ngram=args.pld_ngram,
                      pld_min_ngram=args.pld_min_ngram, store=suffix_store_for(args))
 

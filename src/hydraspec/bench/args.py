@@ -18,8 +18,8 @@ def split_list(text) -> list[str] | None:
 
 def check_args(args, methods: list[str]) -> None:
     specs = [METHODS[m] for m in methods]
-    if getattr(args, "heads", None) and not any(s.needs_heads for s in specs):
-        raise HydraspecError("--heads is only used by the medusa/hydra methods; add one to --methods")
+    if getattr(args, "heads", None) and not any(s.needs_heads or s.takes_heads for s in specs):
+        raise HydraspecError("--heads is only used by the auto, medusa, hydra and eagle methods; add one to --methods")
     need_heads = [s.name for s in specs if s.needs_heads]
     if need_heads and not getattr(args, "heads", None):
         raise HydraspecError(f"method{'s' if len(need_heads) > 1 else ''} {', '.join(need_heads)} need --heads")

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..drafters import DRAFT_METHODS, make_auto, make_drafter
+from ..drafters import DRAFT_METHODS, auto_heads, make_auto, make_drafter
 from ..drafters.hybrid import LookupHybridDrafter
 from ..drafters.prompt_lookup import PromptLookupDrafter
 from ..errors import HydraspecError
@@ -82,6 +82,7 @@ class MethodSpec:
     settings: tuple[str, ...] = ()  # args attributes that change this method's answers or speed
     tree: str | None = None  # a 'NAME@TREE' variant: its own --tree ('default': the drafter's own)
     takes_draft: bool = False  # uses --draft-model where one is given
+    takes_heads: bool = False  # uses --heads where given
     predicts: bool = False  # its runner takes a question's prediction (predicted outputs)
 
 
@@ -227,8 +228,12 @@ def _engine(method: str):
 
 
 def _auto(ctx: BenchContext):
-    """The auto method's drafter: prompt lookup, suffix decoding, predictions, and the draft model where given."""
+    """The auto method's drafter: prompt lookup, suffix decoding, predictions, and the draft model and heads where
+    given."""
     costly = {}
+    if ctx.heads:
+        heads, cfg = load_heads(pick_heads(ctx.heads, "eagle"), ctx.model, base_model=ctx.args.model, drafting=True)
+        costly.update(auto_heads(heads, cfg, ctx.model.get_input_embeddings()))
     if ctx.draft is not None:
         dm, dtok = ctx.draft
         shipped = shipped_tree_for(ctx.args)
@@ -365,8 +370,9 @@ register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--
                     settings=("pld_tokens",)))
 register(MethodSpec("suffix", _engine("suffix"), "hydraspec suffix decoding (the sequence and earlier answers)"))
 register(MethodSpec("auto", _engine("auto"), "hydraspec's drafter chosen per request and step by measured payoff: "
-                                              "prompt lookup, suffix decoding, predictions, the draft model if given",
-                    settings=("draft_model", "pld_tokens"), takes_draft=True, predicts=True))
+                                              "prompt lookup, suffix decoding, predictions, the draft model and heads "
+                                              "if given (the heads shipped for an offline model unless --heads none)",
+                    settings=("draft_model", "heads", "pld_tokens"), takes_draft=True, takes_heads=True, predicts=True))
 register(MethodSpec("pld+draft", _engine("pld+draft"), "hydraspec prompt lookup where it matches, else the draft model "
                                                         "(--draft-model, --pld-tokens)",
                     needs_draft=True,

@@ -91,7 +91,8 @@ def load_answerer(args, loader, pending):
     if getattr(args, "heads", None):
         read_features(args.heads, model)
     compile_models(model, draft[0] if draft else None, how=getattr(args, "compile", False),
-                   hidden=any(METHODS[m].needs_heads for m in working))
+                   hidden=any(METHODS[m].needs_heads or (METHODS[m].takes_heads and getattr(args, "heads", None))
+                              for m in working))
     ctx = BenchContext(model=model, tokenizer=tok, args=args, draft=draft, heads=getattr(args, "heads", None),
                        eos=sorted(eos_ids(model, tok)))
     runners = {m: METHODS[m].factory(ctx) for m in working}

@@ -8,7 +8,7 @@ from .auto import AutoDrafter
 from .base import Drafter, NoDrafter
 from .draft_model import DraftModelDrafter, check_vocab
 from .dynamic import DynamicDraftModelDrafter, DynamicHeadDrafter, parse_dynamic
-from .eagle import EagleDrafter
+from .eagle import FOLLOW_TREE, EagleDrafter
 from .heads import HeadDrafter
 from .hybrid import LookupHybridDrafter
 from .prediction import PredictionDrafter
@@ -31,6 +31,13 @@ def make_auto(target, costly: dict[str, Drafter] | None = None, pld_tokens: int 
     subs.update(costly or {})
     return AutoDrafter(subs, cost if cost is not None else measure_verify_cost(target, sizes=SIZES),
                        rows_per_pass(target) if target is not None else None)
+
+
+def auto_heads(heads, cfg: dict, embed) -> dict[str, Drafter]:
+    """Loaded heads as ``auto`` takes them ({name: drafter}, for make_auto's ``costly``): an EAGLE head follows
+    every step with one node (drafters.eagle.FOLLOW_TREE), other kinds draft their default tree when chosen."""
+    opts = {"tree": FOLLOW_TREE, "follow": True} if heads.method == "eagle" else {"tree": cfg.get("default_tree")}
+    return {heads.kind: make_drafter(heads.method, heads=heads, embed=embed, **opts)}
 
 
 METHODS = ("ar", "auto", "draft", "pld", "suffix", "medusa", "hydra", "hydra++", "eagle", "pld+draft", "pld+medusa",

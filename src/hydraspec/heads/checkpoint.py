@@ -187,7 +187,7 @@ def saved_heads(directory, model, cfg: dict | None = None) -> Heads:
     their weights as stored (float32 as training writes them), without load_heads' checks, casts and packing."""
     d = Path(directory)
     cfg = cfg if cfg is not None else json.loads((d / "config.json").read_text())
-    state = _dequantize_int8(load_file(str(d / "heads.safetensors")))
+    state = _dequantize(load_file(str(d / "heads.safetensors")))
     heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
                         prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"),
                         **{k: cfg[k] for k in ("intermediate_size", "feature_layers") if cfg.get(k)})
@@ -203,13 +203,19 @@ def _norm(name: str) -> str:
 
 
 INT8_SCALE = ".int8_scale"  # a weight stored as int8 codes has its per-row scale under NAME + this
+INT4_SCALE = ".int4_scale"  # a weight stored as 4-bit codes has its group scales under NAME + this
+INT4_GROUPS = (64, 32, 16)  # inputs per 4-bit scale: the first that divides a matrix's inputs (64 and 32 as
+# the w4a8 draft kernels group them, so loading keeps the codes)
 
 
 def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
     """Copy a heads checkpoint with its float weights cast to `dtype` (bf16 halves the size; the heads
     are cast to the model's dtype when loaded anyway), or with ``"int8"`` its matrices as int8 codes and one
-    fp32 scale per row (absmax / 127; vectors in bf16), a quarter of the size. Heads only draft, so this can
-    change acceptance, never the output. Used to ship the default model's heads."""
+    fp32 scale per row (absmax / 127; vectors in bf16), a quarter of the size, or with ``"int4"`` as 4-bit
+    codes (two a byte) and one fp16 scale per row and group of inputs (INT4_GROUPS; absmax / 7 of the bf16
+    weights, as the w4a8 kernels that heads draft on quantise them, so loading keeps their codes), an eighth of
+    the size. Heads
+    only draft, so this can change acceptance, never the output. Used to ship the default models' heads."""
     s, d = Path(src), Path(dst)
     d.mkdir(parents=True, exist_ok=True)
     state = load_file(str(s / "heads.safetensors"))
@@ -219,16 +225,31 @@ def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
             out[k] = v
         elif dtype == "int8" and v.ndim == 2:
             out[k], out[k + INT8_SCALE] = int8_per_row(v)
+        elif dtype == "int4" and v.ndim == 2 and any(v.shape[1] % g == 0 for g in INT4_GROUPS):
+            out[k], out[k + INT4_SCALE] = _int4_groups(v, next(g for g in INT4_GROUPS if v.shape[1] % g == 0))
         else:
-            out[k] = v.to(torch.bfloat16 if dtype == "int8" else getattr(torch, dtype))
+            out[k] = v.to(torch.bfloat16 if dtype in ("int8", "int4") else getattr(torch, dtype))
     save_file({k: v.contiguous() for k, v in out.items()}, str(d / "heads.safetensors"))
     shutil.copy(s / "config.json", d / "config.json")
     return d
 
 
-def _dequantize_int8(state: dict) -> dict:
-    """Int8 weights written by :func:`copy_heads` back to float32."""
+def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> codes [out, in / 2] uint8 (code + 8, even inputs in the low nibble), scales [out, in / group]."""
+    g = w.to(torch.bfloat16).float().view(w.shape[0], -1, group)
+    scale = (g.abs().amax(-1) / 7.0).clamp_min(1e-12).half()
+    q = (torch.round(g / scale.float()[..., None]).clamp_(-7, 7) + 8).to(torch.uint8).view(w.shape[0], -1, 2)
+    return q[..., 0] | (q[..., 1] << 4), scale
+
+
+def _dequantize(state: dict) -> dict:
+    """Int8 and 4-bit weights written by :func:`copy_heads` back to float32."""
     for key in [k for k in state if k.endswith(INT8_SCALE)]:
         name = key[: -len(INT8_SCALE)]
         state[name] = state[name].float() * state.pop(key)[:, None]
+    for key in [k for k in state if k.endswith(INT4_SCALE)]:
+        name, scale = key[: -len(INT4_SCALE)], state.pop(key).float()
+        packed = state[name]
+        q = torch.stack([packed & 15, packed >> 4], dim=-1).view(*scale.shape, -1).float() - 8
+        state[name] = (q * scale[..., None]).view(packed.shape[0], -1)
     return state

@@ -34,7 +34,7 @@ from .common import DEVICES, DTYPES, GGUF_MAGIC, MARKER_NAME, is_complete, resol
 from .compile import compile_models
 from .convert import convert_gguf, gguf_cache_dir
 from .loading import QUANTS, load_draft_model, load_model, resolve_precision, resolve_quant, same_tokenizer, \
-    shipped_draft_tree, shipped_suffix_store
+    shipped_draft_tree, shipped_heads, shipped_suffix_store
 from .registry import DEFAULT_MODEL, REGISTRY, ModelSpec, WheelPart, converted_dir, default_writer, gguf_file, \
     list_models, pull
 
@@ -67,4 +67,5 @@ __all__ = [
     "same_tokenizer",
     "shipped_draft_tree",
     "shipped_suffix_store",
+    "shipped_heads",
 ]

@@ -326,6 +326,16 @@ def shipped_suffix_store(target: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def shipped_heads(target: str) -> Path | None:
+    """The heads shipped for a registry model (a directory under ``data/heads/TARGET/``; its config.json says
+    how they were trained), which ``auto`` drafts with unless ``--heads`` says otherwise, or None."""
+    if target not in REGISTRY:
+        return None
+    root = Path(__file__).parent.parent / "data" / "heads" / target
+    found = sorted(d for d in root.iterdir() if (d / "config.json").is_file()) if root.is_dir() else []
+    return found[0] if found else None
+
+
 def shipped_draft_tree(target: str, draft: str, device: str = "auto", quant: str = "auto",
                        draft_quant: str | None = "auto") -> Path | None:
     """The draft tree shipped for a registry target and draft model at their precisions (``quant`` and
