@@ -49,7 +49,9 @@ def _compile_now(model, hidden: bool = False) -> None:
     t0 = time.perf_counter()
     with torch.inference_mode():  # the engine's inputs are inference tensors, and the graphs are specific to that
         cache = new_cache(model, 16)
-        steps = ((0, 5, False), (5, 6, False), (6, 8, False))  # a prefill (eager), one token, two tokens
+        # a prefill (eager; with ``hidden`` it installs transformers' hooks that capture hidden states, which
+        # installed inside a graph would break it), one token, two tokens
+        steps = ((0, 5, hidden), (5, 6, False), (6, 8, False))
         if hidden:
             steps += ((8, 9, True), (9, 11, True))
         for start, stop, want in steps:
