@@ -287,3 +287,41 @@ def test_a_compiled_w4a8_draft_drafts_what_the_eager_one_drafts(tmp_path):
         assert torch.isinf(out[0][40:]).all() and torch.isfinite(out[0][:40]).all()  # the cut head ran
         token = out[0].argmax()
     assert counters["stats"]["unique_graphs"] > graphs  # the steps did run compiled
+
+
+@torch.inference_mode()
+def test_a_target_compiled_with_hidden_states_beside_a_draft_of_its_class_runs_steps_of_any_prompt(tmp_path):
+    """A target whose steps also hand out hidden states (for heads) compiled beside a draft model of the same
+    class, as `auto` with heads and a draft model loads them: every step compiles as one graph (the hooks that
+    capture hidden states, installed inside a graph, broke it, and the resumed half then failed beside the draft
+    model's graphs), and one-token steps after prompts of several lengths, with and without the hidden states,
+    give the eager logits exactly."""
+    from test_gguf import _write_tiny_llama
+
+    from hydraspec.cache import new_cache
+    from hydraspec.models import compile_models
+    from hydraspec.verify import forward_nodes
+
+    _graph_or_skip()
+    torch.set_num_threads(2)
+    paths = [tmp_path / "target.gguf", tmp_path / "draft.gguf"]
+    _write_tiny_llama(paths[0], ["Q4_K", "Q6_K", "Q8_0"])
+    _write_tiny_llama(paths[1], ["Q8_0", "Q4_0", "Q5_K"])
+    eager, target, draft = _tiny_gguf_model(paths[0]), _tiny_gguf_model(paths[0]), _tiny_gguf_model(paths[1])
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    before = sum(breaks.values())
+    compile_models(target, draft, hidden=True)
+    assert sum(breaks.values()) == before, dict(breaks)  # each step one whole graph
+    for n in (3, 7, 12):
+        ids = torch.arange(1, n + 1) % 60
+        caches = [new_cache(m, 64) for m in (eager, target, draft)]
+        for m, c in zip((eager, target, draft), caches):
+            forward_nodes(m, c, ids, torch.arange(n), None, 0, last_only=True)
+        for step in range(4):
+            pos, tok = torch.tensor([n + step]), torch.tensor([(5 * step + n) % 60])
+            want = step % 2 == 1
+            (ref, h0), (out, h1) = [forward_nodes(m, c, tok, pos, None, 0, want_hidden=want)
+                                    for m, c in zip((eager, target), caches[:2])]
+            forward_nodes(draft, caches[2], tok, pos, None, 0, last_only=True)
+            assert torch.equal(ref, out), (n, step)
+            assert not want or torch.equal(h0, h1), (n, step)

@@ -181,24 +181,31 @@ def test_int8_shipped_copy_loads_close_to_the_original_and_stays_exact(tok, tmp_
     """copy_heads(..., "int8") stores each matrix as int8 codes with a per-row scale (a quarter of the fp32
     size): loaded back, every weight is within half a code step of the original, and drafting with them is
     still exact."""
+    model, heads, loaded, ratio = _copied_heads(tmp_path, "int8", tok)
+    assert ratio < 0.35
+    for (name, a), b in zip(heads.state_dict().items(), loaded.state_dict().values()):
+        if a.is_floating_point() and a.ndim == 2:
+            step = a.abs().amax(1, keepdim=True) / 127
+            assert ((a - b).abs() <= step / 2 + 1e-6).all(), name
+
+
+def _copied_heads(tmp_path, dtype: str, tok):
+    """Perturbed Hydra heads of a tiny model saved, copied as ``dtype`` and loaded back; checks that drafting
+    with the copy is exact. Returns (model, heads, the copy loaded, the copy's size over the fp32 file's)."""
     from hydraspec.heads.checkpoint import copy_heads
 
     model = tiny.cached_model("llama", "sdpa", 1)
     heads = build_heads("hydra", model, num_heads=4, num_layers=2, prefix_layer=True)
     _perturb(heads, 0.05, seed=2)
     save_heads(heads, tmp_path / "fp32", base_model="tiny-llama")
-    copy_heads(tmp_path / "fp32", tmp_path / "int8", "int8")
-    size = {n: (tmp_path / n / "heads.safetensors").stat().st_size for n in ("fp32", "int8")}
-    assert size["int8"] < 0.35 * size["fp32"]
-    loaded, _ = load_heads(tmp_path / "int8", model)
-    for (name, a), b in zip(heads.state_dict().items(), loaded.state_dict().values()):
-        if a.is_floating_point() and a.ndim == 2:
-            step = a.abs().amax(1, keepdim=True) / 127
-            assert ((a - b).abs() <= step / 2 + 1e-6).all(), name
+    copy_heads(tmp_path / "fp32", tmp_path / dtype, dtype)
+    size = {n: (tmp_path / n / "heads.safetensors").stat().st_size for n in ("fp32", dtype)}
+    loaded, _ = load_heads(tmp_path / dtype, model)
     ref = SpeculativeGenerator(model, tok).generate(input_ids=[5, 9, 2, 7], max_new_tokens=20)
     drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE)
     assert SpeculativeGenerator(model, tok, drafter).generate(input_ids=[5, 9, 2, 7],
                                                               max_new_tokens=20).token_ids == ref.token_ids
+    return model, heads, loaded, size[dtype] / size["fp32"]
 
 
 def test_int4_shipped_copy_keeps_its_codes_when_loaded_and_stays_exact(tok, tmp_path):
@@ -208,18 +215,12 @@ def test_int4_shipped_copy_keeps_its_codes_when_loaded_and_stays_exact(tok, tmp_
     with them is still exact."""
     from safetensors.torch import load_file
 
-    from hydraspec.heads.checkpoint import INT4_SCALE, copy_heads
+    from hydraspec.heads.checkpoint import INT4_SCALE
 
-    model = tiny.cached_model("llama", "sdpa", 1)
-    heads = build_heads("hydra", model, num_heads=4, num_layers=2, prefix_layer=True)
-    _perturb(heads, 0.05, seed=3)
-    save_heads(heads, tmp_path / "fp32", base_model="tiny-llama")
-    copy_heads(tmp_path / "fp32", tmp_path / "int4", "int4")
-    size = {n: (tmp_path / n / "heads.safetensors").stat().st_size for n in ("fp32", "int4")}
-    assert size["int4"] < 0.2 * size["fp32"]
+    model, heads, loaded, ratio = _copied_heads(tmp_path, "int4", tok)
+    assert ratio < 0.2
     stored = load_file(str(tmp_path / "int4" / "heads.safetensors"))
     assert any(k.endswith(INT4_SCALE) for k in stored)
-    loaded, _ = load_heads(tmp_path / "int4", model)
     for (name, a), b in zip(heads.state_dict().items(), loaded.state_dict().values()):
         if name + INT4_SCALE in stored:
             scale = stored[name + INT4_SCALE].float()
@@ -227,10 +228,6 @@ def test_int4_shipped_copy_keeps_its_codes_when_loaded_and_stays_exact(tok, tmp_
             step = scale.repeat_interleave(group, dim=1)
             assert ((a - b).abs() <= step / 2 + a.abs() / 128 + 1e-6).all(), name
             assert torch.equal(_int4_codes(b, group), stored[name]), name
-    ref = SpeculativeGenerator(model, tok).generate(input_ids=[5, 9, 2, 7], max_new_tokens=20)
-    drafter = make_drafter("hydra", heads=loaded, embed=model.get_input_embeddings(), tree=TREE)
-    assert SpeculativeGenerator(model, tok, drafter).generate(input_ids=[5, 9, 2, 7],
-                                                              max_new_tokens=20).token_ids == ref.token_ids
 
 
 def _int4_codes(w, group):
@@ -372,8 +369,8 @@ def test_heads_know_their_base_by_its_weights(tmp_path):
 
 def test_auto_takes_the_heads_shipped_for_an_offline_model_unless_told_none():
     """The Qwen 1.5B's shipped EAGLE-3 head (4-bit, under 25 MB, its training recorded) is what `auto` drafts
-    with by default (generate/serve --method auto, auto among bench's --methods); --heads none, other methods,
-    --learn and models without shipped heads leave --heads as given."""
+    with by default (generate/serve --method auto, auto among bench's --methods); --heads none, other methods, a
+    draft model, --learn and models without shipped heads leave --heads as given."""
     from argparse import Namespace
 
     from safetensors.torch import load_file
@@ -402,5 +399,6 @@ def test_auto_takes_the_heads_shipped_for_an_offline_model_unless_told_none():
     assert heads(method="pld") is None
     assert heads(method="auto", learn="dir") is None
     assert heads(method="auto", model="smollm2-135m-instruct") is None
+    assert heads(method="auto", draft_model="qwen2.5-coder-0.5b-instruct") is None
     assert heads(methods="ar,auto") == [str(d)] and heads(methods="ar,pld") is None
     assert heads(methods="ar,auto", heads=["none"]) is None

@@ -147,14 +147,15 @@ def add_suffix_store_arg(p) -> None:
 
 
 def resolve_heads_arg(args) -> None:
-    """What --heads means: 'none', no heads; unset where ``auto`` drafts (--method auto, or auto among the
-    bench's --methods; not with --learn, which keeps its own), the heads shipped for an offline model
-    (models.shipped_heads), if any; else the directory given."""
+    """What --heads means: 'none', no heads; unset where ``auto`` drafts without a draft model (--method auto, or
+    auto among the bench's --methods; not with --learn, which keeps its own), the heads shipped for an offline
+    model (models.shipped_heads), if any (beside a draft model they add no tokens a step: BENCHMARKS.md); else
+    the directory given."""
     if not hasattr(args, "heads"):
         return
     if args.heads in ("none", ["none"]):
         args.heads = None
-    elif args.heads is None and not getattr(args, "learn", None):
+    elif args.heads is None and not getattr(args, "learn", None) and not getattr(args, "draft_model", None):
         methods = getattr(args, "methods", None) or getattr(args, "method", None) or ""
         if "auto" in [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods)]:
             found = shipped_heads(args.model) if getattr(args, "model", None) else None
@@ -206,7 +207,8 @@ def add_method_args(p) -> None:
                    help="greedy draft chain: hang up to N of the draft model's runner-up tokens on the chain as "
                         "extra leaves (one verify row each, no draft forward; default 0)")
     p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra, hydra++, eagle, auto); "
-                                   "auto takes the heads shipped for an offline model unless given 'none'")
+                                   "auto without a draft model takes the heads shipped for an offline model unless "
+                                   "given 'none'")
     p.add_argument("--min-prob", type=float, default=None, metavar="P",
                    help="eagle, greedy: leave out tree nodes whose path probability under the head is below P "
                         "(default: the heads' own, from their config.json, else 0 = the whole tree)")
