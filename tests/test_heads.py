@@ -367,14 +367,15 @@ def test_heads_know_their_base_by_its_weights(tmp_path):
         load_heads(tmp_path / "h", other, base_model="tiny-llama")
 
 
-def test_auto_takes_the_heads_shipped_for_an_offline_model_unless_told_none():
-    """The Qwen 1.5B's shipped EAGLE-3 head (4-bit, under 25 MB, its training recorded) is what `auto` drafts
-    with by default (generate/serve --method auto, auto among bench's --methods); --heads none, other methods, a
-    draft model, --learn and models without shipped heads leave --heads as given."""
+def test_generate_auto_takes_the_heads_shipped_for_an_offline_model_and_others_when_asked():
+    """The Qwen 1.5B's shipped EAGLE-3 head (4-bit, under 25 MB, its training recorded) is what `generate
+    --method auto` drafts with by default; `--heads shipped` names it for serve and bench; --heads none, other
+    methods, a draft model and models without shipped heads leave --heads as given."""
     from argparse import Namespace
 
     from safetensors.torch import load_file
 
+    from hydraspec.errors import HydraspecError
     from hydraspec.heads.checkpoint import INT4_SCALE
     from hydraspec.models import shipped_heads
     from hydraspec.options import resolve_heads_arg
@@ -388,8 +389,8 @@ def test_auto_takes_the_heads_shipped_for_an_offline_model_unless_told_none():
     assert any(k.endswith(INT4_SCALE) for k in load_file(str(d / "heads.safetensors")))
     assert shipped_heads("smollm2-135m-instruct") is None and shipped_heads("some/dir") is None
 
-    def heads(**kw):
-        args = Namespace(**{"model": qwen, "heads": None, **kw})
+    def heads(cmd="generate", **kw):
+        args = Namespace(**{"cmd": cmd, "model": qwen, "heads": None, **kw})
         resolve_heads_arg(args)
         return args.heads
 
@@ -397,8 +398,9 @@ def test_auto_takes_the_heads_shipped_for_an_offline_model_unless_told_none():
     assert heads(method="auto", heads="none") is None
     assert heads(method="auto", heads="mine") == "mine"
     assert heads(method="pld") is None
-    assert heads(method="auto", learn="dir") is None
     assert heads(method="auto", model="smollm2-135m-instruct") is None
     assert heads(method="auto", draft_model="qwen2.5-coder-0.5b-instruct") is None
-    assert heads(methods="ar,auto") == [str(d)] and heads(methods="ar,pld") is None
-    assert heads(methods="ar,auto", heads=["none"]) is None
+    assert heads("serve", method="auto") is None and heads("serve", method="auto", heads="shipped") == str(d)
+    assert heads("bench", methods="ar,auto") is None and heads("bench", heads=["shipped"]) == [str(d)]
+    with pytest.raises(HydraspecError, match="no heads ship"):
+        heads("serve", method="auto", heads="shipped", model="smollm2-135m-instruct")

@@ -147,19 +147,24 @@ def add_suffix_store_arg(p) -> None:
 
 
 def resolve_heads_arg(args) -> None:
-    """What --heads means: 'none', no heads; unset where ``auto`` drafts without a draft model (--method auto, or
-    auto among the bench's --methods; not with --learn, which keeps its own), the heads shipped for an offline
-    model (models.shipped_heads), if any (beside a draft model they add no tokens a step: BENCHMARKS.md); else
-    the directory given."""
-    if not hasattr(args, "heads"):
-        return
-    if args.heads in ("none", ["none"]):
+    """What --heads means: 'none', no heads; 'shipped', the heads shipped for an offline model
+    (models.shipped_heads); unset, for `generate --method auto` without a draft model, the shipped heads if any.
+    `serve` and `bench` take them only when asked (heads read hidden states, which turns off the prefix cache and
+    chunked prefill), and beside a draft model they add no tokens a step (BENCHMARKS.md)."""
+    given = getattr(args, "heads", None)
+    dirs = [given] if isinstance(given, str) else list(given or [])
+    if dirs == ["none"]:
         args.heads = None
-    elif args.heads is None and not getattr(args, "learn", None) and not getattr(args, "draft_model", None):
-        methods = getattr(args, "methods", None) or getattr(args, "method", None) or ""
-        if "auto" in [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods)]:
-            found = shipped_heads(args.model) if getattr(args, "model", None) else None
-            args.heads = None if found is None else str(found) if hasattr(args, "method") else [str(found)]
+    elif "shipped" in dirs:
+        found = shipped_heads(args.model)
+        if found is None:
+            raise HydraspecError(f"no heads ship for '{args.model}'; give a directory of trained heads")
+        dirs = [str(found) if d == "shipped" else d for d in dirs]
+        args.heads = dirs if isinstance(given, list) else dirs[0]
+    elif given is None and getattr(args, "cmd", None) == "generate" and getattr(args, "method", None) == "auto" \
+            and not getattr(args, "draft_model", None):
+        found = shipped_heads(args.model)
+        args.heads = None if found is None else str(found)
 
 
 def suffix_store_for(args) -> list[list[int]] | None:
@@ -207,8 +212,8 @@ def add_method_args(p) -> None:
                    help="greedy draft chain: hang up to N of the draft model's runner-up tokens on the chain as "
                         "extra leaves (one verify row each, no draft forward; default 0)")
     p.add_argument("--heads", help="directory of trained draft heads (methods medusa, hydra, hydra++, eagle, auto); "
-                                   "auto without a draft model takes the heads shipped for an offline model unless "
-                                   "given 'none'")
+                                   "'shipped' for those shipped with an offline model, which generate --method auto "
+                                   "takes without a draft model unless given 'none'")
     p.add_argument("--min-prob", type=float, default=None, metavar="P",
                    help="eagle, greedy: leave out tree nodes whose path probability under the head is below P "
                         "(default: the heads' own, from their config.json, else 0 = the whole tree)")

@@ -35,8 +35,9 @@ def add_parser(subparsers):
     p.add_argument("--model", required=True, help="target model (offline name, HF directory, .gguf file or hub id)")
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (methods draft, hf-assisted)")
     p.add_argument("--heads", metavar="DIR", nargs="+",
-                   help="trained heads directories (methods medusa, hydra, hydra++, eagle); several may be given, each "
-                        "method takes the one of its kind (hydra++ = Hydra heads with a prefix layer)")
+                   help="trained heads directories (methods auto, medusa, hydra, hydra++, eagle), or 'shipped' for those "
+                        "shipped with an offline model; several may be given, each method takes the one of its kind "
+                        "(hydra++ = Hydra heads with a prefix layer)")
     p.add_argument("--tree", help="token tree for medusa/hydra/draft: tree.json (hydraspec build-tree), JSON list of "
                                   "rank paths, or 'dynamic' (default: the heads' own default tree; a chain for draft)")
     p.add_argument("--min-prob", type=float, default=None, metavar="P",

@@ -371,7 +371,7 @@ register(MethodSpec("pld", _engine("pld"), "hydraspec prompt lookup decoding (--
 register(MethodSpec("suffix", _engine("suffix"), "hydraspec suffix decoding (the sequence and earlier answers)"))
 register(MethodSpec("auto", _engine("auto"), "hydraspec's drafter chosen per request and step by measured payoff: "
                                               "prompt lookup, suffix decoding, predictions, the draft model and heads "
-                                              "if given (the heads shipped for an offline model unless --heads none)",
+                                              "if given (--heads DIR or shipped)",
                     settings=("draft_model", "heads", "pld_tokens"), takes_draft=True, takes_heads=True, predicts=True))
 register(MethodSpec("pld+draft", _engine("pld+draft"), "hydraspec prompt lookup where it matches, else the draft model "
                                                         "(--draft-model, --pld-tokens)",
