@@ -308,7 +308,7 @@ def main(argv=None) -> int:
         os.environ["HYDRASPEC_PREPACK"] = "0"
     try:
         resolve_precision_args(args)  # what --dtype and --quant mean together, before anything loads
-        resolve_heads_arg(args)  # --heads none, or the heads auto takes by default
+        resolve_heads_arg(args)  # --heads none or shipped, or the head generate's auto takes by default
         rc = args.func(args)
     except HydraspecError as e:
         print(f"hydraspec: error: {e}", file=sys.stderr)

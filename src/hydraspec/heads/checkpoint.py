@@ -214,8 +214,8 @@ def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
     fp32 scale per row (absmax / 127; vectors in bf16), a quarter of the size, or with ``"int4"`` as 4-bit
     codes (two a byte) and one fp16 scale per row and group of inputs (INT4_GROUPS; absmax / 7 of the bf16
     weights, as the w4a8 kernels that heads draft on quantise them, so loading keeps their codes), an eighth of
-    the size. Heads
-    only draft, so this can change acceptance, never the output. Used to ship the default models' heads."""
+    the size. Heads only draft, so this can change acceptance, never the output. Used to ship the offline
+    models' heads."""
     s, d = Path(src), Path(dst)
     d.mkdir(parents=True, exist_ok=True)
     state = load_file(str(s / "heads.safetensors"))

@@ -328,7 +328,8 @@ def shipped_suffix_store(target: str) -> Path | None:
 
 def shipped_heads(target: str) -> Path | None:
     """The heads shipped for a registry model (a directory under ``data/heads/TARGET/``; its config.json says
-    how they were trained), which ``auto`` drafts with unless ``--heads`` says otherwise, or None."""
+    how they were trained), which ``generate --method auto`` drafts with by default and ``--heads shipped``
+    names, or None."""
     if target not in REGISTRY:
         return None
     root = Path(__file__).parent.parent / "data" / "heads" / target
