@@ -11,8 +11,8 @@ from torch import nn
 
 from .cpu import attention, build, gguf, graph, kernels, mlp, norm, pages, quantized, rope
 
-__all__ = ["prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops", "int8_per_row", "native_bf16",
-           "packed_keyword", "rows_per_pass", "describe", "build_id", "cpu_model", "huge_pages", "compile_steps"]
+__all__ = ["prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops", "int8_per_row", "W4_GROUPS",
+           "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id", "cpu_model", "huge_pages", "compile_steps"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -61,6 +61,9 @@ def eager_forward(model: nn.Module):
     """``model``'s forward without its compiled steps (compile_steps), for callers outside decoding that hand
     it caches of their own (a plain transformers cache)."""
     return graph.eager_forward(model)
+
+
+W4_GROUPS = quantized.W4_GROUPS  # inputs per scale of the 4-bit draft kernels, first fit first
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

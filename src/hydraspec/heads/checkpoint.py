@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..backend import fuse_ops, int8_per_row, prepack, quantize_drafting
+from ..backend import W4_GROUPS, fuse_ops, int8_per_row, prepack, quantize_drafting
 from ..errors import HydraspecError
 from ..features import set_feature_layers
 from .eagle import EagleHeads
@@ -204,8 +204,8 @@ def _norm(name: str) -> str:
 
 INT8_SCALE = ".int8_scale"  # a weight stored as int8 codes has its per-row scale under NAME + this
 INT4_SCALE = ".int4_scale"  # a weight stored as 4-bit codes has its group scales under NAME + this
-INT4_GROUPS = (64, 32, 16)  # inputs per 4-bit scale: the first that divides a matrix's inputs (64 and 32 as
-# the w4a8 draft kernels group them, so loading keeps the codes)
+INT4_GROUPS = (*W4_GROUPS, 16)  # inputs per 4-bit scale: the first that divides a matrix's inputs (the
+# draft kernels' groups first, so loading keeps the codes)
 
 
 def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
@@ -221,12 +221,13 @@ def copy_heads(src, dst, dtype: str = "bfloat16") -> Path:
     state = load_file(str(s / "heads.safetensors"))
     out = {}
     for k, v in state.items():
+        group = next((g for g in INT4_GROUPS if v.ndim == 2 and v.shape[1] % g == 0), None)
         if not v.is_floating_point():
             out[k] = v
         elif dtype == "int8" and v.ndim == 2:
             out[k], out[k + INT8_SCALE] = int8_per_row(v)
-        elif dtype == "int4" and v.ndim == 2 and any(v.shape[1] % g == 0 for g in INT4_GROUPS):
-            out[k], out[k + INT4_SCALE] = _int4_groups(v, next(g for g in INT4_GROUPS if v.shape[1] % g == 0))
+        elif dtype == "int4" and group is not None:
+            out[k], out[k + INT4_SCALE] = _int4_groups(v, group)
         else:
             out[k] = v.to(torch.bfloat16 if dtype in ("int8", "int4") else getattr(torch, dtype))
     save_file({k: v.contiguous() for k, v in out.items()}, str(d / "heads.safetensors"))
