@@ -12,7 +12,8 @@ from torch import nn
 from .cpu import attention, build, gguf, graph, kernels, mlp, norm, pages, quantized, rope
 
 __all__ = ["prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops", "int8_per_row", "W4_GROUPS",
-           "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id", "cpu_model", "huge_pages", "compile_steps"]
+           "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id", "cpu_model", "huge_pages",
+           "compile_steps"]
 
 
 def prepack(module: nn.Module) -> int:
