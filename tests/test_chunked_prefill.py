@@ -18,10 +18,13 @@ def model():
 
 
 def drafter(method, m):
+    if "eagle" in method:  # a head reading the hidden states of what the target computes (none of a chunk)
+        return tiny.eagle_drafter(m, auto=method == "auto+eagle")
     return make_auto(m) if method == "auto" else make_drafter(method)
 
 
 def alone(m, tok, method, prompt, n=N):
+    method = "ar" if "eagle" in method else method  # exact: the answer is plain decoding's
     return SpeculativeGenerator(m, tok, drafter(method, m)).generate(input_ids=prompt, max_new_tokens=n).token_ids
 
 
@@ -30,10 +33,11 @@ def prompt(n, seed):
     return torch.randint(1, tiny.VOCAB, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "auto"])
+@pytest.mark.parametrize("method", ["ar", "pld", "auto", "eagle", "auto+eagle"])
 def test_requests_joining_mid_stream_read_in_chunks_and_answer_as_alone(tok, method):
     m = model()
     engine = Engine(m, tok, drafter(method, m), eos_ids(m, tok), rows=4, capacity=2100, prefill_chunk=64)
+    assert engine.prefill_chunk or not engine.packed  # a drafter reading hidden states too
     steps = []  # one entry per step in which the first request got tokens
     first = Request(prompt(12, 0), 48, on_tokens=lambda req, ids: steps.append(len(ids)))
     engine.add(first)

@@ -41,6 +41,29 @@ def test_a_conversation_with_the_prefix_cache_answers_as_without(tok, attn, meth
     assert hits[1] >= len(FIRST) + N - 1 and hits[2] > hits[1]
 
 
+@pytest.mark.parametrize("auto", [False, True])
+def test_heads_that_read_hidden_states_keep_the_prefix_cache(tok, auto):
+    """A head drafts from the hidden states of what the target computes: after a cache hit, the rest of the
+    prompt. The pool stays on with it, and every turn answers as without the pool."""
+    model = tiny.cached_model("llama", "hydraspec_cpu", 3)
+    plain = conversation(BatchGenerator(model, tok, tiny.eagle_drafter(model, auto)))
+    drafter = tiny.eagle_drafter(model, auto)
+    head = drafter.drafters["eagle"] if auto else drafter
+    proposed, propose = [], head.propose
+
+    def counted(states):
+        trees = propose(states)
+        proposed.extend(len(t) for t in trees)
+        return trees
+    head.propose = counted
+    gen = BatchGenerator(model, tok, drafter)
+    gen.prefix_pool = PrefixPool(4096)
+    cached = conversation(gen)
+    assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
+    assert [r.stats.counters.get("cached_tokens", 0) for r in cached][1] >= len(FIRST) + N - 1
+    assert sum(proposed) > 0  # the head drafted
+
+
 def test_a_cache_hit_with_several_rows_leaves_every_answer_unchanged(tok):
     model = tiny.cached_model("llama", "sdpa", 3)
     gen = BatchGenerator(model, tok)

@@ -255,8 +255,8 @@ def _add_serve(sub) -> None:
                    help="draft heads that keep learning from the server's own answers, kept in DIR (answers.jsonl, "
                         "heads/, learn_state.safetensors; a restart goes on from there): they train while no request runs, "
                         "and replace the heads in use when they score higher on held-out answers. With --method "
-                        "auto (default) they are one of its drafters. The heads read the model's hidden states, so "
-                        "the prefix cache and chunked prefill are off. The output never changes")
+                        "auto (default) they are one of its drafters. Learning keeps the hidden states of whole "
+                        "prompts, so the prefix cache and chunked prefill are off. The output never changes")
     s.add_argument("--learn-kind", default="hydra", choices=["medusa", "hydra"],
                    help="the kind of heads --learn starts with when DIR has none (default hydra)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")

@@ -23,7 +23,8 @@ cache at once; a waiting request takes a free row at the next step and reads its
 own, where no row decodes; else a chunk a step inside the decoding forwards, the last chunk as the lead of
 its first verify tree. The caches are allocated once, for ``rows`` rows of ``capacity`` slots, and reused. With a
 prefix pool (hydraspec.prefix_pool) a joining row first takes the longest cached prefix of its prompt and
-reads only the rest; a leaving row leaves its tokens there.
+reads only the rest; a leaving row leaves its tokens there. A drafter that reads hidden states gets those of
+what the target computes: not of a cached prefix, nor of a prompt read in chunks.
 
 Guarantee: every request's output is what it would be decoded alone (greedy: token for token; sampling:
 the same distribution, and with its own seed the same draws), whatever runs beside it. Each request
@@ -160,8 +161,10 @@ class Engine:
         self.keep_hidden, self.packed = keep_hidden, packed and can_pack(model)
         self.rows, self.capacity = rows, capacity
         self.need_hidden = keep_hidden or self.drafter.needs_hidden
-        self.prefix_pool = None if self.need_hidden else prefix_pool  # hidden states are not pooled
-        self.prefill_chunk = 0 if self.need_hidden or not self.packed else max(0, int(prefill_chunk))
+        # a drafter reading hidden states reads those of what the target computes (the prompt after a cached
+        # prefix; none of a chunked prompt); kept hidden states (a learner's data) cover whole prompts
+        self.prefix_pool = None if keep_hidden else prefix_pool
+        self.prefill_chunk = 0 if keep_hidden or not self.packed else max(0, int(prefill_chunk))
         with torch.inference_mode():  # inference tensors wherever the engine is built, as every step makes them
             self.cache = new_cache(model, capacity)
             allocate_rows(self.cache, model, rows)

@@ -149,8 +149,8 @@ def add_suffix_store_arg(p) -> None:
 def resolve_heads_arg(args) -> None:
     """What --heads means: 'none', no heads; 'shipped', the heads shipped for an offline model
     (models.shipped_heads); unset, for `generate --method auto` without a draft model, the shipped heads if any.
-    `serve` and `bench` take them only when asked (heads read hidden states, which turns off the prefix cache and
-    chunked prefill), and beside a draft model they add no tokens a step (BENCHMARKS.md)."""
+    `serve` and `bench` take them only when asked (a following head's proposal is paid for every row of a batch),
+    and beside a draft model they add no tokens a step (BENCHMARKS.md)."""
     given = getattr(args, "heads", None)
     dirs = [given] if isinstance(given, str) else list(given or [])
     if dirs == ["none"]:

@@ -77,7 +77,8 @@ class EagleDrafter(Drafter):
         if new is None or new is row.seen:
             return row.root
         end = len(state.tokens) - 1  # committed positions [0, end); tokens[end] is the pending token
-        first = max(end - new.shape[0], row.fed)  # a step that drafted nothing leaves a gap: skipped
+        # a step that drafted nothing, a cached prefix or a prompt read in chunks leaves a gap: skipped
+        first = max(end - new.shape[0], row.fed)
         if first < end:
             feats = new[new.shape[0] - (end - first):]
             toks = torch.tensor(state.tokens[first + 1:end + 1], device=feats.device)

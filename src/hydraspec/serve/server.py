@@ -85,7 +85,7 @@ def build_server(bg: BatchGenerator, model_name: str, *, max_batch: int = 8, max
         st = learner.stats
         say(f"learning: {learner.drafters[0].heads.kind} heads in {learner.dir / 'heads'} train on the answers while "
             f"no request runs ({st.answers} answers to train on, {st.heldout} held out, {st.steps} steps so far; "
-            "the heads read the model's hidden states, so the prefix cache and chunked prefill are off)")
+            "learning keeps the hidden states of whole prompts, so the prefix cache and chunked prefill are off)")
     worker = EngineWorker(engine, max_queue, keep, learner)
     config = ServerConfig(model_name=model_name, capacity=capacity, max_nodes=bg.max_nodes, api_key=api_key)
     app = create_app(worker, bg.tokenizer, functools.partial(encode_prompt, bg.tokenizer), config, start_worker)
