@@ -110,11 +110,46 @@ def test_attention_of_the_avx512_build_is_the_avx2_builds_bit_for_bit(dtype, d, 
     v = torch.randn(1, 2, L, d, generator=g).to(dtype)
     allowed = torch.rand(1, 1, n, L, generator=g) > 0.4
     allowed[..., 0] = True
-    for mask in (None, allowed) if n == 1 else (allowed,):
-        wide = attend(q, k, v, mask)
-        with kernels.chosen_library(kernels.build_native("avx2")):
-            narrow = attend(q, k, v, mask)
-        assert torch.equal(wide, narrow)
+    lib = kernels.native_lib()
+    kernels.set_attention_dp(lib, False)  # (bf16 dot products on AVX512_BF16 round otherwise: the next test)
+    try:
+        for mask in (None, allowed) if n == 1 else (allowed,):
+            wide = attend(q, k, v, mask)
+            with kernels.chosen_library(kernels.build_native("avx2")):
+                narrow = attend(q, k, v, mask)
+            assert torch.equal(wide, narrow)
+    finally:
+        kernels.set_attention_dp(lib)
+
+
+def test_bf16_attention_with_avx512_bf16_dot_products_is_the_reference_and_row_wise():
+    """On AVX512_BF16 CPUs bf16 queries and keys meet in vdpbf16ps: a score differs from the fp32 path's by
+    rounding only, and a tree row still equals, bit for bit, the row computed alone on the keys it sees."""
+    lib = kernels.native_lib()
+    if lib is None or not hasattr(lib, "hs_attention_dp") or not kernels.bf16_dot():
+        pytest.skip("needs an AVX512_BF16 CPU and the native kernel")
+    differs = []
+    for n, L in ((1, 513), (7, 66), (5, 130)):
+        g = torch.Generator().manual_seed(n + L)
+        q = torch.randn(1, n, 12, 128, generator=g).to(torch.bfloat16).transpose(1, 2)
+        k = torch.randn(1, 2, L, 128, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, 2, L, 128, generator=g).to(torch.bfloat16)
+        allowed = torch.rand(1, 1, n, L, generator=g) > 0.3
+        allowed[..., 0] = True
+        kernels.set_attention_dp(lib, True)
+        try:
+            dp = attend(q, k, v, allowed)
+            for i in range(n):
+                seen = allowed[0, 0, i].nonzero().flatten()
+                alone = attend(q[:, :, i:i + 1], k[:, :, seen], v[:, :, seen], None)
+                assert torch.equal(dp[:, i], alone[:, 0])
+            kernels.set_attention_dp(lib, False)
+            differs.append(not torch.equal(dp, attend(q, k, v, allowed)))
+        finally:
+            kernels.set_attention_dp(lib)
+        torch.testing.assert_close(dp.double(), reference_attention(q, k, v, allowed[:, 0], 128 ** -0.5),
+                                   atol=1e-2, rtol=1e-2)
+    assert any(differs)  # the dot products took the other path (a bf16 output often rounds the change away)
 
 
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm])

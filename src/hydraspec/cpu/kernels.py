@@ -174,7 +174,20 @@ def load_library(so, isa: str):
     lib.hs_linear_bf16_pairs.restype = ctypes.c_int
     lib.hs_pack_bf16_pairs.argtypes = lib.hs_pack_bf16.argtypes
     lib.hs_pack_bf16_pairs.restype = None
+    if hasattr(lib, "hs_attention_dp"):  # (an older build, loaded to time against, may lack it)
+        lib.hs_attention_dp.argtypes = [ctypes.c_int]
+        lib.hs_attention_dp.restype = None
+        set_attention_dp(lib)
     return lib
+
+
+def set_attention_dp(lib, on: bool | None = None) -> None:
+    """Whether ``lib``'s attention computes bf16 query-key dot products with AVX512_BF16 (hs_ops.h; None: where
+    this CPU has it, unless HYDRASPEC_BF16_DOT=0). Off, bf16 attention is the AVX2 build's, bit for bit."""
+    if on is None:
+        on = os.environ.get("HYDRASPEC_BF16_DOT", "1") != "0" and "avx512_bf16" in _cpu_flags()
+    if hasattr(lib, "hs_attention_dp"):
+        lib.hs_attention_dp(int(bool(on)))
 
 
 def cpu_has_bf16() -> bool:

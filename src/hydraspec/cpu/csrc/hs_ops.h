@@ -276,6 +276,35 @@ static inline __m512 ld16_bf16(const void* p, int64_t i) {
         }                                                                                             \
         _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) _mm512_storeu_ps(o + r * DV + t0, c[r]); \
     }
+/* CPUs with AVX512_BF16 (hs_attention_dp): the dot products of bf16 queries and keys with vdpbf16ps, 16
+   dimensions a step, two keys per vector (8 lanes each, a lane summing two dimensions' products), so a
+   (row, key) score is a sum in a fixed order of that row's and that key's numbers only: the same whichever
+   rows and keys are beside it. It differs from the fp32 path by the pairwise rounding (D a multiple of 16).
+   QB(r, t): row r's 16 bf16 dims from t, stored twice (one copy per key). */
+#define HS_ATTN_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define QB(r, t) ((const uint16_t*)qf + 2 * ((r) * D + (t)))
+#define QB_PREP(AB, LD8)                                                                              \
+    for (int r = 0; r < AB; r++)                                                                      \
+        for (int64_t t = 0; t < D; t += 16) {                                                         \
+            const __m256i qv = _mm256_loadu_si256((const __m256i*)((const uint16_t*)q[r < nr ? r : 0] + t));\
+            _mm256_storeu_si256((__m256i*)QB(r, t), qv);                                              \
+            _mm256_storeu_si256((__m256i*)QB(r, t) + 1, qv);                                          \
+        }
+#define DP_KEYS(AB, LD8) {                                                                            \
+    __m512 a[AB];                                                                                     \
+    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) a[r] = _mm512_setzero_ps();                  \
+    const uint16_t* kj = (const uint16_t*)k + j * ks;                                                 \
+    const uint16_t* kn = pair ? kj + ks : kj;                                                         \
+    for (int64_t t = 0; t < D; t += 16) {                                                             \
+        const __m512i kv = _mm512_inserti64x4(_mm512_castsi256_si512(                                 \
+            _mm256_loadu_si256((const __m256i*)(kj + t))), _mm256_loadu_si256((const __m256i*)(kn + t)), 1);\
+        _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++)                                          \
+            a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(QB(r, t)), (__m512bh)kv);      \
+    }                                                                                                 \
+    _Pragma("GCC unroll 8") for (int r = 0; r < AB; r++) {                                            \
+        acc[r][jj] = _mm512_castps512_ps256(a[r]);                                                    \
+        if (pair) acc[r][jj + 1] = high8(a[r]);                                                       \
+    } }
 #else
 #define KEYS_AT_ONCE 1
 #define PAIR_KEYS(AB, LD8) {                                                                          \
@@ -292,16 +321,21 @@ static inline __m512 ld16_bf16(const void* p, int64_t i) {
 #define WIDE_VALUES(AB, LD16)
 #endif
 #define HS_ATTN_KEYS 32 /* keys per tile of the weighted sum of values */
-#define HS_ATTN_BLOCK(NAME, LD8, LD16, AB)                                                                \
-static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,        \
-                 int64_t ks, const void* v, int64_t vs, int64_t L, int64_t D, int64_t DV, float scale, \
-                 float* qf, float* s, float* o, int32_t* live) {                                      \
+/* the queries as PAIR_KEYS reads them: fp32, KEYS_AT_ONCE copies (one key per half) */
+#define QF_PREP(AB, LD8)                                                                              \
     for (int r = 0; r < AB; r++)                                                                      \
         for (int64_t t = 0; t < D; t += 8) {                                                          \
             const __m256 qv = LD8(q[r < nr ? r : 0], t);                                              \
-            _mm256_storeu_ps(QF(r, t), qv); /* KEYS_AT_ONCE copies: one key per half (PAIR_KEYS) */   \
+            _mm256_storeu_ps(QF(r, t), qv);                                                           \
             if (KEYS_AT_ONCE == 2) _mm256_storeu_ps(QF(r, t) + 8, qv);                                \
-        }                                                                                             \
+        }
+/* HS_ATTN_BLOCK_WITH: ATTR the function's attributes, QPREP the queries' copy, KEYS the dot products */
+#define HS_ATTN_BLOCK(NAME, LD8, LD16, AB) HS_ATTN_BLOCK_WITH(NAME, LD8, LD16, AB, , QF_PREP, PAIR_KEYS)
+#define HS_ATTN_BLOCK_WITH(NAME, LD8, LD16, AB, ATTR, QPREP, KEYS)                                    \
+ATTR static void NAME(const void* const* q, const void* const* m, int nr, int mkind, const void* k,   \
+                 int64_t ks, const void* v, int64_t vs, int64_t L, int64_t D, int64_t DV, float scale,\
+                 float* qf, float* s, float* o, int32_t* live) {                                      \
+    QPREP(AB, LD8)                                                                                    \
     __m256 acc[AB][8];                                                                                \
     int hid[8];                                                                                       \
     for (int64_t j0 = 0; j0 < L; j0 += 8) {                                                           \
@@ -310,7 +344,7 @@ static void NAME(const void* const* q, const void* const* m, int nr, int mkind, 
         for (int jj = 0; jj < nk; jj += KEYS_AT_ONCE) {                                               \
             const int64_t j = j0 + jj;                                                                \
             const int pair = KEYS_AT_ONCE == 2 && jj + 1 < nk && !hid[jj + 1];                        \
-            if (pair || !hid[jj]) PAIR_KEYS(AB, LD8)                                                  \
+            if (pair || !hid[jj]) KEYS(AB, LD8)                                                       \
             for (int u = jj; u < jj + KEYS_AT_ONCE && u < nk; u++) /* a hidden key weighs 0 */        \
                 if (hid[u]) for (int r = 0; r < AB; r++) acc[r][u] = _mm256_setzero_ps();             \
         }                                                                                             \
@@ -370,6 +404,14 @@ HS_ATTN_BLOCK(attn_block6_f32, ld8_f32, ld16_f32, 6)
 HS_ATTN_BLOCK(attn_block6_bf16, ld8_bf16, ld16_bf16, 6)
 HS_ATTN_BLOCK(attn_block8_f32, ld8_f32, ld16_f32, 8)
 HS_ATTN_BLOCK(attn_block8_bf16, ld8_bf16, ld16_bf16, 8)
+#ifdef __AVX512F__
+HS_ATTN_BLOCK_WITH(attn_block4_dp, ld8_bf16, ld16_bf16, 4, HS_ATTN_DP, QB_PREP, DP_KEYS)
+HS_ATTN_BLOCK_WITH(attn_block6_dp, ld8_bf16, ld16_bf16, 6, HS_ATTN_DP, QB_PREP, DP_KEYS)
+HS_ATTN_BLOCK_WITH(attn_block8_dp, ld8_bf16, ld16_bf16, 8, HS_ATTN_DP, QB_PREP, DP_KEYS)
+static int g_attention_dp = 0;
+/* bf16 attention's dot products with AVX512_BF16 from now on (on: nonzero; the caller checks the CPU) */
+void hs_attention_dp(int on) { g_attention_dp = on; }
+#endif
 
 /* q [B, H, N, D] with element strides qs = {b, h, n} (d contiguous); k [B, HKV, L, D] and v [B, HKV, L, DV]
    with strides ks / vs = {b, h, l}; mask [B, N, L] with strides ms = {b, n} (l contiguous), shared by
@@ -422,9 +464,13 @@ int hs_attention(const void* q, const int64_t* qs, const void* k, const int64_t*
             typedef void (*blockfn)(const void* const*, const void* const*, int, int, const void*, int64_t,
                                     const void*, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*,
                                     int32_t*);
-            const blockfn run = nr <= 4 ? (bf16 ? attn_block4_bf16 : attn_block4_f32)  /* the fewest rows that fit */
+            blockfn run = nr <= 4 ? (bf16 ? attn_block4_bf16 : attn_block4_f32)  /* the fewest rows that fit */
                               : nr <= 6 ? (bf16 ? attn_block6_bf16 : attn_block6_f32)
                                         : (bf16 ? attn_block8_bf16 : attn_block8_f32);
+#ifdef __AVX512F__
+            if (bf16 && g_attention_dp && D % 16 == 0)
+                run = nr <= 4 ? attn_block4_dp : nr <= 6 ? attn_block6_dp : attn_block8_dp;
+#endif
             run(qp, mp, nr, mkind, kp, ks[2], vp, vs[2], hi - lo, D, DV, scale, qf, s, o, live);
             for (int r = 0; r < nr; r++) {
                 const int64_t off = ((b * N + qi[r]) * H + head[r]) * DV;
