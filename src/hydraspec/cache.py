@@ -67,9 +67,27 @@ class SlotLayer(CacheLayerMixin):
                 buf[:, :, self.length:end] = 0
                 buf[rows, :, self.length + slots] = new[0].transpose(0, 1)
         self.length = end
-        self.keys = self.k_buf[:, :, :end]
-        self.values = self.v_buf[:, :, :end]
-        return self.keys, self.values
+        return self.k_buf[:, :, :end], self.v_buf[:, :, :end]
+
+    # the filled slots, as transformers' layers keep them: views made when read, so that a compiled step does not
+    # return them as outputs aliasing its inputs (each regenerated after every step)
+    @property
+    def keys(self):
+        return self.k_buf[:, :, :self.length] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:  # (the base class starts it at None; the buffers are the state)
+        if value is not None:
+            raise AttributeError("a SlotLayer's keys are its buffer's filled slots")
+
+    @property
+    def values(self):
+        return self.v_buf[:, :, :self.length] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("a SlotLayer's values are its buffer's filled slots")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -95,8 +113,6 @@ class SlotLayer(CacheLayerMixin):
             self.k_buf[:, :, start:start + n] = self.k_buf[:, :, src]
             self.v_buf[:, :, start:start + n] = self.v_buf[:, :, src]
         self.length = start + n
-        self.keys = self.k_buf[:, :, : self.length]
-        self.values = self.v_buf[:, :, : self.length]
 
     @staticmethod
     def _is_identity(idx: torch.Tensor) -> bool:
@@ -155,8 +171,6 @@ def use_rows(cache, start: int, stop: int) -> None:
     """Make the layers read and write rows [start, stop) of their full buffers."""
     for layer in cache.layers:
         layer.k_buf, layer.v_buf = layer.full_k[start:stop], layer.full_v[start:stop]
-        layer.keys = layer.k_buf[:, :, : layer.length]
-        layer.values = layer.v_buf[:, :, : layer.length]
 
 
 def set_length(cache, n: int) -> None:
