@@ -21,11 +21,7 @@ KINDS = ["eagle", "eagle3"]
 
 
 def _head(model, kind="eagle", **kw):
-    heads = build_heads(kind, model, num_heads=4, **kw)
-    with torch.no_grad():  # larger weights than the default init: guesses that differ from row to row
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return heads.eval()
+    return tiny.noisy_heads(model, kind, **kw)
 
 
 @torch.no_grad()

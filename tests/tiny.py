@@ -125,18 +125,25 @@ def cached_models() -> list:
     return list(_MODELS.values())
 
 
+def noisy_heads(model, kind: str = "eagle", **kw):
+    """Heads of ``kind`` on ``model`` with larger weights than the default init: guesses that differ from row
+    to row (from torch's global generator)."""
+    from hydraspec.heads import build_heads
+
+    heads = build_heads(kind, model, num_heads=4, **kw)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return heads.eval()
+
+
 def eagle_drafter(model, auto: bool = False):
     """An EAGLE head on ``model`` with weights large enough to guess differently from row to row: drafting
     a small tree alone, or (``auto``) following every step inside ``auto`` on a fixed verify-cost curve."""
     from hydraspec.drafters import auto_heads, make_auto, make_drafter
-    from hydraspec.heads import build_heads
 
     torch.manual_seed(0)
-    heads = build_heads("eagle", model, num_heads=4)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    heads, embed = heads.eval(), model.get_input_embeddings()
+    heads, embed = noisy_heads(model), model.get_input_embeddings()
     if auto:
         return make_auto(model, auto_heads(heads, {}, embed), cost={1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6})
     return make_drafter("eagle", heads=heads, embed=embed, tree=[[0], [1], [0, 0]])

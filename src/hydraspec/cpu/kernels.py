@@ -185,7 +185,7 @@ def set_attention_dp(lib, on: bool | None = None) -> None:
     """Whether ``lib``'s attention computes bf16 query-key dot products with AVX512_BF16 (hs_ops.h; None: where
     this CPU has it, unless HYDRASPEC_BF16_DOT=0). Off, bf16 attention is the AVX2 build's, bit for bit."""
     if on is None:
-        on = os.environ.get("HYDRASPEC_BF16_DOT", "1") != "0" and "avx512_bf16" in _cpu_flags()
+        on = bf16_dot_wanted()
     if hasattr(lib, "hs_attention_dp"):
         lib.hs_attention_dp(int(bool(on)))
 
@@ -199,8 +199,13 @@ def cpu_has_bf16() -> bool:
 def bf16_dot() -> bool:
     """Whether bf16 weights use the kernel's AVX512_BF16 path (vdpbf16ps: bf16 pairs into fp32, twice the
     arithmetic per instruction of the fp32 path); HYDRASPEC_BF16_DOT=0 keeps the fp32 path."""
-    return os.environ.get("HYDRASPEC_BF16_DOT", "1") != "0" and native_lib() is not None and \
-        "avx512_bf16" in _cpu_flags()
+    return bf16_dot_wanted() and native_lib() is not None
+
+
+def bf16_dot_wanted() -> bool:
+    """Whether the native kernels should take their AVX512_BF16 paths: this CPU has it and HYDRASPEC_BF16_DOT
+    is not 0 (the weights' products, :func:`bf16_dot`, and the attention's, :func:`set_attention_dp`)."""
+    return os.environ.get("HYDRASPEC_BF16_DOT", "1") != "0" and "avx512_bf16" in _cpu_flags()
 
 
 PACK_BLOCK = 32  # outputs per packed block (OB in csrc/bf16_linear.c)
