@@ -282,6 +282,56 @@ def test_auto_drafts_where_it_pays_and_decodes_plainly_where_not(extra_token_cos
         assert res.stats.target_forwards == N and oracle.calls == 0
 
 
+class HalfRight(Drafter):
+    """A cheap drafter offering one token a step: the target's next greedy token on calls of one parity, a
+    wrong one on the others."""
+
+    cheap, needs_hidden, max_nodes = True, False, 2  # room for the other's node beside its own
+
+    def __init__(self, name: str, answer: list[int], prompt_len: int, parity: int):
+        self.name, self.answer, self.plen, self.parity, self.calls = name, answer, prompt_len, parity, 0
+
+    def propose(self, states):
+        out = []
+        self.calls += 1
+        for s in states:
+            done = len(s.tokens) - self.plen
+            right = self.answer[done] if done < len(self.answer) else 0
+            token = right if self.calls % 2 == self.parity else (right + 1 + self.parity) % 50
+            out.append(DraftTree(torch.tensor([token]), chain(1)))
+        return out
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7)])
+def test_auto_verifies_cheap_offers_side_by_side_and_counts_each_for_its_drafter(sampling, tok):
+    """Two cheap drafters, each right on every other step and never on the same one: side by side (greedy,
+    verify tokens free) every step accepts a draft, so 24 tokens take 12 forwards, and each drafter's count
+    is its own (about half its drafts accepted). Sampling verifies one drafter's proposal a step."""
+    m = model()
+    prompt = PROMPTS[2]
+    ref = plain(m, tok, prompt)
+    drafters = {n: HalfRight(n, ref, len(prompt), k) for k, n in enumerate(("even", "odd"))}
+    auto = AutoDrafter(drafters, {n: 1.0 for n in (1, 2, 4, 8, 16)})
+    for n in drafters:
+        for i in range(20):
+            auto.totals[n].add(i % 2, 1, decay=1.0)
+    eng = Engine(m, tok, auto, set(), rows=1, capacity=64)
+    req = Request(list(prompt), N, sampling=sampling, seed=0)
+    eng.add(req)
+    parts = []
+    while eng.busy:
+        eng.step()
+        parts += [len(row.parts) for _, row in auto.rows.rows.values()]
+    if not sampling.greedy:
+        assert max(parts) == 1
+        return
+    assert req.result.token_ids == ref and req.result.stats.target_forwards == N // 2 and max(parts) == 2
+    row = next(iter(auto.rows.rows.values()))[1]
+    for n in drafters:
+        rate = row.tallies[n].accepted[0] / row.tallies[n].reached[0]
+        assert 0.3 < rate < 0.7
+
+
 @pytest.mark.parametrize("budget,tries", [(8, False), (100_000, True)])
 def test_auto_tries_a_costly_drafter_only_where_its_catch_up_can_pay(budget, tries):
     """A costly drafter first reads the whole prompt: on a long prompt with 8 tokens left to write that read
@@ -327,10 +377,11 @@ def test_auto_rows_choose_on_the_forward_that_the_others_fill(beside, most):
     for _ in range(200):
         auto.totals["pld"].add(8 if _ % 5 else 0, 8, decay=1.0)
     rows, offers = [AutoRow() for _ in range(4)], [{"pld": DraftTree(torch.arange(8), chain(8))} for _ in range(4)]
-    alone = auto._choose(rows[0], None, Load(4, 4), offers[0])
+    states = [DecodeState([5, 6, 7, 8 + b], 4, Sampling(), capacity=64) for b in range(4)]
+    alone = auto._choose(rows[0], states[0], Load(4, 4), offers[0])
     assert len(alone.tree) == 4
     auto.beside = beside
-    chosen = [c for _, _, c in auto._in_turn(rows, [None] * 4, offers)]
+    chosen = [c for _, _, c in auto._in_turn(rows, states, offers)]
     assert sum(len(c.tree) for c in chosen) == most
 
 
@@ -457,7 +508,6 @@ def test_auto_scales_a_drafters_chances_to_what_its_chosen_drafts_realised():
     row = AutoRow(tallies={"pld": Tally()})
     before = auto.chances(row, "pld", 2)
     for _ in range(200):  # a one-node proposal of pld verified and rejected each time
-        row.chosen, row.depths = "pld", [1]
-        auto._calibrate(row, "pld", Verdict([], 1))
+        auto._calibrate(row, "pld", [1], Verdict([], 1))
     after = auto.chances(row, "pld", 2)
     assert after[0] < 0.1 * before[0] and after[1] == pytest.approx(before[1])

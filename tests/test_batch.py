@@ -605,6 +605,16 @@ def test_single_sequence_prompt_lookup_drafts_under_the_cost_rule(tok):
     assert not adaptive(SpeculativeGenerator(model, tok, DRAFTERS["pld"](model), adaptive=False))
 
 
+@pytest.mark.parametrize("ys, fit", [([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]), ([1.0, 3.0, 2.0, 4.0], [1.0, 2.5, 2.5, 4.0]),
+                                     ([5.0, 1.0, 1.0, 7.0], [7 / 3, 7 / 3, 7 / 3, 7.0])])
+def test_verify_cost_sizes_measured_out_of_order_share_their_mean(ys, fit):
+    """A forward over more tokens never costs less: the fitted curve is the closest non-decreasing one (a slow
+    spell at a small size no longer drags every larger one up to it, nor a fast one every smaller down)."""
+    from hydraspec.verify_cost import monotone
+
+    assert monotone(ys) == pytest.approx(fit)
+
+
 def test_verify_cost_is_measured_once_per_machine(tmp_path, monkeypatch):
     """The measured verify cost is kept on disk under a key of the model and the machine, and a later process
     (here: another model object of the same weights) reads it back instead of timing every size again, after

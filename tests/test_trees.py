@@ -731,3 +731,24 @@ def test_a_tree_json_carries_its_stop_into_decoding(tmp_path):
     assert tree_stop("dynamic") is None
     with pytest.raises(HydraspecError, match=r"drafter.confidence must be in \[0, 1\)"):
         tree_stop({"paths": [[0]], "drafter": {"kind": "draft", "confidence": 2}})
+
+
+def test_trees_side_by_side_keep_their_paths_and_any_breadth_first_cut_keeps_a_prefix_of_each():
+    from hydraspec.tree import DraftTree, shape_of, side_by_side
+
+    a = DraftTree(torch.tensor([10, 11, 12]), (-1, 0, 1))  # a chain
+    b = DraftTree(torch.tensor([20, 21, 22]), (-1, -1, 0))  # two top nodes, one with a child
+    joined, owner = side_by_side([a, b])
+    shape = shape_of(joined.with_root())  # raises unless breadth-first
+
+    def paths(t):
+        s = shape_of(t.with_root())
+        return {tuple(int(t.tokens[j - 1]) for j in s.path_to(i + 1)[1:]) for i in range(len(t))}
+
+    assert paths(joined) == paths(a) | paths(b) and owner.count(0) == 3 and owner.count(1) == 3
+    assert shape.depth.tolist() == sorted(shape.depth.tolist())
+    for k in range(len(joined) + 1):
+        cut = owner[:k]
+        for i, t in enumerate((a, b)):
+            mine = [int(joined.tokens[j]) for j in range(k) if cut[j] == i]
+            assert mine == t.tokens[:len(mine)].tolist()

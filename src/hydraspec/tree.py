@@ -114,6 +114,20 @@ class DraftTree:
         return (-1,) + tuple(p + 1 for p in self.parents)
 
 
+def side_by_side(trees: list[DraftTree]) -> tuple[DraftTree, list[int]]:
+    """Trees whose top nodes differ, hung under one pending token: one tree in breadth-first order (each
+    tree's own order kept, so a breadth-first cut of it cuts each of them to a breadth-first prefix), and
+    which tree each of its nodes came from. The first tree's grade; no q (greedy rows only)."""
+    items = []  # (depth, tree, index in it)
+    for k, t in enumerate(trees):
+        items += [(d, k, i) for i, d in enumerate(shape_of(t.with_root()).depth.tolist()[1:])]
+    items.sort()
+    at = {(k, i): j for j, (_, k, i) in enumerate(items)}
+    parents = tuple(-1 if trees[k].parents[i] < 0 else at[(k, trees[k].parents[i])] for _, k, i in items)
+    tokens = torch.stack([trees[k].tokens[i] for _, k, i in items]) if items else trees[0].tokens[:0]
+    return DraftTree(tokens, parents, None, trees[0].grade), [k for _, k, _ in items]
+
+
 # ---- tree specs (Medusa-style lists of paths) --------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 import weakref
 from collections import Counter
@@ -22,7 +23,11 @@ SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in 
 _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(sizes, prefix): costs}
 
 
-def stored_cost_path(model, sizes=SIZES, prefix: int = 64, repeats: int = 2):
+PREFIX = 256  # tokens before the timed forwards: about a chat's context, where attention is part of the cost
+REPEATS = 5
+
+
+def stored_cost_path(model, sizes=SIZES, prefix: int = PREFIX, repeats: int = REPEATS):
     """Where the verify cost of this model on this machine is kept between processes (a CPU model only; None
     on other devices): a file named by a hash of everything the timing depends on, the model (class,
     config, dtype, kinds of layers), the machine (CPU model, threads), the native build (which also tells
@@ -39,10 +44,8 @@ def stored_cost_path(model, sizes=SIZES, prefix: int = 64, repeats: int = 2):
 
 
 @torch.inference_mode()
-def measure_verify_cost(model, sizes=SIZES, prefix: int = 64, repeats: int = 3) -> dict[int, float]:
-    """Seconds of one target forward over n new tokens after ``prefix`` tokens: the best of ``repeats`` per
-    size, then made non-decreasing in n from above (a forward over more tokens never costs less, so a size
-    measured slower than a larger one was slowed by something else: it gets the larger one's figure). A model
+def measure_verify_cost(model, sizes=SIZES, prefix: int = PREFIX, repeats: int = REPEATS) -> dict[int, float]:
+    """Seconds of one target forward over n new tokens after ``prefix`` tokens (:func:`time_sizes`). A model
     is measured once per process (later calls return the same figures) and once per machine: the figures are
     kept on disk (:func:`stored_cost_path`) and read back by later processes, after a check that one token
     still costs what they say (a machine that was busy when they were taken, or is now, measures again)."""
@@ -82,16 +85,27 @@ def store(path, out: dict[int, float]) -> None:
 
 
 def time_sizes(model, sizes, prefix: int, repeats: int) -> dict[int, float]:
-    """The best of ``repeats`` forwards per size, then the least figure of each size and all larger ones."""
+    """The median of ``repeats`` rounds per size, each round taking every size in turn (so a slow spell of the
+    machine touches every size alike), then made non-decreasing in n by :func:`monotone` (a forward over more
+    tokens never costs less: sizes measured out of order share their mean)."""
     cache, vocab, g = prefilled(model, prefix, max(sizes))
-    best = {}
-    for n in sizes:
-        best[n] = min(forward_seconds(model, cache, prefix, n, vocab, g) for _ in range(repeats))
-    out, floor = {}, float("inf")
-    for n in sorted(sizes, reverse=True):
-        floor = min(floor, best[n])
-        out[n] = floor
-    return dict(sorted(out.items()))
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            times[n].append(forward_seconds(model, cache, prefix, n, vocab, g))
+    order = sorted(sizes)
+    return dict(zip(order, monotone([statistics.median(times[n]) for n in order])))
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``ys`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m0, c0), (m1, c1) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m0 * c0 + m1 * c1) / (c0 + c1), c0 + c1])
+    return [m for m, c in blocks for _ in range(c)]
 
 
 def still_true(model, out: dict[int, float], prefix: int, tolerance: float = 1.5) -> bool:

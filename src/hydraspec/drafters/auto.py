@@ -33,18 +33,23 @@ the batch's expected tokens per second: with T tokens already in the step's forw
 chunks read beside them, the drafts of the rows that chose before) and E tokens expected from it, a row's
 option is worth (E + its expected extra tokens) / (c(T + its nodes) + drafting seconds), plain decoding
 E / c(T): a draft that pays alone does not when others already fill the forward. A costly drafter's proposal
-is cut to the nodes that pay, as a cheap one's is. The output never depends on the choice: every proposal is
-verified by the target.
+is cut to the nodes that pay, as a cheap one's is. On a greedy row the cheap drafters' other offers (a head's
+node, prompt lookup's chain beside suffix decoding's) can join the chosen one's tree as branches of their own
+where their top tokens differ: the events that each branch's first draft is right are disjoint then, so a
+branch adds its chances, and it joins where that gives the batch more tokens per second (its proposal is
+already paid for). Those chances are learnt apart (``BESIDE``): a drafter whose top token differs from the
+chosen one's is right less often than on average (where drafters agree they are right more often). The
+output never depends on the choice: every proposal is verified by the target.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..packed_cost import PackedCost
 from ..tally import DEPTHS, Calibration, Tally, reach, shadow_accepted
-from ..tree import DraftTree, shape_of
+from ..tree import DraftTree, shape_of, side_by_side
 from ..verify_cost import Curve
 from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of
 
@@ -57,6 +62,7 @@ READ_GUESS = 0.03  # seconds to read one token, as a fraction of one target step
 CALIBRATION_DECAY = 0.98  # weight of older verified proposals in a drafter's calibration, per new one
 CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised at every depth
 NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predicted
+BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
 
 
 @dataclass
@@ -90,14 +96,25 @@ class Choice:
     tree: DraftTree  # a cheap drafter's proposal as cut (a costly one's comes later)
     rate: float  # the batch's expected tokens per second
     after: Load  # the step's load with this row's choice in it
+    extras: tuple = ()  # (drafter, its cut offer, valued as beside a proposal): other cheap offers beside it
+
+
+@dataclass
+class Part:
+    """One drafter's share of a verified tree: where its acceptance is counted (the first: what its value came
+    from), its nodes' indices in the tree (ascending) and their depths."""
+
+    name: str
+    stats: tuple[str, ...]
+    nodes: list[int]
+    depths: list[int]
 
 
 @dataclass
 class AutoRow:
     tallies: dict[str, Tally] = field(default_factory=dict)
     chosen: str | None = None  # the drafter whose proposal was verified last step
-    stat: str | None = None  # where that proposal's acceptance is counted (stat_key)
-    depths: list[int] = field(default_factory=list)  # that proposal's node depths
+    parts: list[Part] = field(default_factory=list)  # each drafter's share of that step's tree
     tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     known: dict[str, int] = field(default_factory=dict)  # costly drafter not yet used -> Drafter.known, asked once
@@ -141,18 +158,18 @@ class AutoDrafter(Drafter):
         out = [DraftTree.empty() for _ in states]
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
         before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
+        extras: list[tuple] = [()] * len(states)
         for b, load, choice in self._in_turn(rows, states, offers):
-            before[b], rows[b].chosen, out[b] = load, choice.name, choice.tree
+            before[b], rows[b].chosen, out[b], extras[b] = load, choice.name, choice.tree, choice.extras
             if choice.name in wants:
                 wants[choice.name].append(b)
-            self._shadow(rows[b], states[b], offers[b], choice.name)
+            self._shadow(rows[b], states[b], offers[b], choice)
         for n, picked in wants.items():
             if picked:
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
                     out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
-        for row, tree in zip(rows, out):
-            row.depths = shape_of(tree.with_root()).depth.tolist()[1:]
-            row.stat = None if row.chosen is None else stat_key(row.chosen, tree.grade)
+        for b, row in enumerate(rows):
+            out[b], row.parts = self._parts(row.chosen, out[b], extras[b])
             for n in self.costly:
                 if n == row.chosen:
                     row.tried[n] = 0
@@ -168,8 +185,43 @@ class AutoDrafter(Drafter):
         load = alone
         for b in sorted(range(len(states)), key=lambda b: -first[b].rate):
             choice = first[b] if load is alone else self._choose(rows[b], states[b], load, offers[b])
+            choice = self._beside(rows[b], states[b], offers[b], choice)
             yield b, load, choice
             load = choice.after
+
+    def _beside(self, row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> Choice:
+        """The choice with other cheap offers beside it, each cut to what pays on the load so far, where their
+        top tokens differ from those already in (greedy rows; not beside a costly drafter's tree)."""
+        others = {n: o for n, o in offers.items() if n != choice.name and len(o)}
+        if not others or choice.name in self.costly or not s.sampling.greedy:
+            return choice
+        trees, extras, rate, after, beside = [choice.tree], [], choice.rate, choice.after, len(choice.tree) > 0
+        for n, offer in others.items():
+            room = (self.limit or self.max_nodes) - sum(len(t) for t in trees)
+            if room <= 0 or not _apart(trees, offer):
+                continue
+            cut = self._best_cut(offer, row, n, after, seconds=0.0, room=room, beside=beside)
+            if cut.rate > rate:
+                kept = offer.head(cut.keep)
+                trees.append(kept)
+                extras.append((n, kept, beside))
+                rate, after = cut.rate, after.add(cut.keep, cut.gained, 0.0)
+        return replace(choice, rate=rate, after=after, extras=tuple(extras)) if extras else choice
+
+    @staticmethod
+    def _parts(chosen: str | None, tree: DraftTree, extras: tuple) -> tuple[DraftTree, list[Part]]:
+        """The tree to verify (the chosen proposal, extras beside it) and each drafter's part of it."""
+        if chosen is None and not extras:
+            return tree, []
+        parts = ([(chosen, tree, False)] if chosen is not None else []) + list(extras)
+        joined, owner = side_by_side([t for _, t, _ in parts]) if extras else (tree, [0] * len(tree))
+        depth = shape_of(joined.with_root()).depth.tolist()[1:]
+        out = []
+        for i, (n, t, beside) in enumerate(parts):
+            stat = stat_key(n, t.grade)
+            out.append(Part(n, (stat + BESIDE, stat) if beside else (stat,), [j for j, k in enumerate(owner) if k == i],
+                            [d for d, k in zip(depth, owner) if k == i]))
+        return joined, out
 
     def _timed(self, name: str, states: list[DecodeState]) -> list[DraftTree]:
         t0 = time.perf_counter()
@@ -237,15 +289,19 @@ class AutoDrafter(Drafter):
                 best = Choice(n, DraftTree.empty(), value, load.add(size, gained, self.seconds[n]))
         return best
 
-    def _best_cut(self, offer: DraftTree, row: AutoRow, name: str, load: Load) -> Cut:
-        """How many of drafter ``name``'s offer's first nodes to verify on ``load``: the batch's expected
-        tokens per second with them, and the tokens they are expected to add."""
+    def _best_cut(self, offer: DraftTree, row: AutoRow, name: str, load: Load, seconds: float | None = None,
+                  room: int | None = None, beside: bool = False) -> Cut:
+        """How many of drafter ``name``'s offer's first nodes (at most ``room``, else the step's limit) to
+        verify on ``load``: the batch's expected tokens per second with them (``seconds`` the proposal's, by
+        default the drafter's usual; ``beside`` a chosen proposal whose top tokens differ), and the tokens
+        they are expected to add."""
         if not len(offer):
             return Cut(0, 0.0, 0.0)
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
-        p, seconds = self.chances(row, stat_key(name, offer.grade), max(depth)), self.seconds[name]
+        p = self.chances(row, stat_key(name, offer.grade) + (BESIDE if beside else ""), max(depth))
+        seconds = self.seconds[name] if seconds is None else seconds
         c, best, value = self.step, Cut(0, 0.0, 0.0), load.expect
-        for i, d in enumerate(depth[:self.limit]):
+        for i, d in enumerate(depth[:room or self.limit]):
             value += p[d - 1]
             v = value / (c(load.tokens + i + 1) + load.seconds + seconds)
             if v > best.rate:
@@ -268,13 +324,15 @@ class AutoDrafter(Drafter):
         by: dict[str, tuple[list[DecodeState], list[Verdict]]] = {}
         for s, v in zip(states, verdicts):
             row = self.rows.get(s)
-            if row is None or row.chosen is None:
-                continue
-            by.setdefault(row.chosen, ([], []))[0].append(s)
-            by[row.chosen][1].append(v)
-            if v.verified:
-                self._calibrate(row, row.stat, v)
-                self._count(row, row.stat, len(v.accepted), max(row.depths[:v.verified], default=0))
+            for part in row.parts if row is not None else ():
+                own = Verdict([part.nodes.index(i) for i in v.accepted if i in part.nodes],
+                              sum(i < v.verified for i in part.nodes))  # a breadth-first cut keeps a prefix
+                by.setdefault(part.name, ([], []))[0].append(s)
+                by[part.name][1].append(own)
+                if own.verified:
+                    self._calibrate(row, part.stats[0], part.depths, own)
+                    for stat in part.stats:
+                        self._count(row, stat, len(own.accepted), max(part.depths[:own.verified]))
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
 
@@ -286,9 +344,10 @@ class AutoDrafter(Drafter):
         for d in self.drafters.values():
             d.forget()
 
-    def _calibrate(self, row: AutoRow, stat: str, v: Verdict) -> None:
-        """Compare the chances predicted (before calibration) for the verified nodes with what was accepted."""
-        depths = row.depths[:v.verified]
+    def _calibrate(self, row: AutoRow, stat: str, depths: list[int], v: Verdict) -> None:
+        """Compare the chances predicted (before calibration) for the verified nodes (of ``depths``, one a node of
+        the proposal) with what was accepted."""
+        depths = depths[:v.verified]
         p = reach(self.rates(row, stat), max(depths))
         hits = set(v.accepted)
         self.calibration[stat].add(depths, [p[d - 1] for d in depths], [i in hits for i in range(len(depths))],
@@ -300,20 +359,31 @@ class AutoDrafter(Drafter):
         self.totals[stat].add(accepted, depth, decay=1.0)
 
     @staticmethod
-    def _shadow(row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], chosen: str | None) -> None:
-        """Greedy rows: a cheap drafter's chain that is not verified is scored once the next tokens are known."""
+    def _shadow(row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> None:
+        """Greedy rows: a cheap drafter's chain that is not verified is scored once the next tokens are known
+        (also as beside the chosen proposal where its top token differs from that one's)."""
         if not s.sampling.greedy:
             return
+        verified = [choice.name] + [n for n, _, _ in choice.extras]
         for n, tree in offers.items():
-            if n != chosen and len(tree) and n not in row.shadows and shape_of(tree.with_root()).is_chain:
-                row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), stat_key(n, tree.grade))
+            if n not in verified and len(tree) and n not in row.shadows and shape_of(tree.with_root()).is_chain:
+                stat = stat_key(n, tree.grade)
+                apart = len(choice.tree) and _apart([choice.tree], tree)
+                row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), (stat, stat + BESIDE) if apart else (stat,))
 
     def _score_shadows(self, row: AutoRow, s: DecodeState) -> None:
-        for n, (at, tokens, stat) in list(row.shadows.items()):
+        for n, (at, tokens, stats) in list(row.shadows.items()):
             m = shadow_accepted(tokens, s.tokens[at:])
             if m is not None:
-                self._count(row, stat, m, len(tokens))
+                for stat in stats:
+                    self._count(row, stat, m, len(tokens))
                 del row.shadows[n]
+
+
+def _apart(trees: list[DraftTree], offer: DraftTree) -> bool:
+    """Whether ``offer``'s top tokens are all different from those of ``trees``."""
+    top = {int(t.tokens[i]) for t in trees for i, p in enumerate(t.parents) if p < 0}
+    return all(int(offer.tokens[i]) not in top for i, p in enumerate(offer.parents) if p < 0)
 
 
 def gain(rates: list[float], k: int) -> float:
