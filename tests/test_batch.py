@@ -615,6 +615,20 @@ def test_verify_cost_sizes_measured_out_of_order_share_their_mean(ys, fit):
     assert monotone(ys) == pytest.approx(fit)
 
 
+def test_the_learnt_curve_follows_each_sizes_steps_and_carries_the_nearest_ones_to_sizes_not_used():
+    """Points measured flat; then one-token steps cost 1.5 and four-token steps 3: the curve learns both sizes,
+    a size between them gets a cost between theirs, and sizes beyond them (8, 16) that of four tokens."""
+    from hydraspec.verify_cost import LearntCurve
+
+    curve = LearntCurve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0})
+    curve.learn(1, 100.0)  # a compile: not the curve
+    assert curve(4) == 1.0
+    for i in range(300):
+        curve.learn(1, 1.5) if i % 2 else curve.learn(4, 3.0)
+    assert curve(1) == pytest.approx(1.5, rel=0.1) and curve(4) == pytest.approx(3.0, rel=0.1)  # pulled a little
+    assert curve(1) < curve(2) < curve(4) and curve(8) == curve(16) == pytest.approx(curve(4))
+
+
 def test_verify_cost_is_measured_once_per_machine(tmp_path, monkeypatch):
     """The measured verify cost is kept on disk under a key of the model and the machine, and a later process
     (here: another model object of the same weights) reads it back instead of timing every size again, after

@@ -10,6 +10,7 @@ import time
 import weakref
 from collections import Counter
 
+import numpy as np
 import torch
 
 from . import backend
@@ -154,3 +155,37 @@ class Curve:
                 return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
         return y1 + (y1 - y0) / (x1 - x0) * (n - x1)
+
+
+class LearntCurve:
+    """The one-row curve kept current by the steps' own forwards: each size a step has used gets its steps'
+    cost over the measured points (recent steps weighing most, pulled towards 1 as if ``PULL`` steps had cost
+    what the points say); a size between used ones gets their ratios interpolated, one beyond them the nearest
+    one's; fitted non-decreasing. A step that took far longer than the curve says (a compile, a stall) is left
+    out. A machine's pace changes the curve's shape as well as its level (on a shared host, forwards bound by
+    arithmetic slow down more than those bound by memory), so the points measured at start-up can misprice
+    drafts an hour later."""
+
+    FORGET = 0.98  # weight of a size's step relative to its next one
+    PULL = 4.0
+    STALL = 3.0  # a step over this many times what the curve says is not learnt from
+
+    def __init__(self, points: dict[int, float]):
+        self.base, self.sizes = Curve(points), sorted(points)
+        self.own: dict[int, list[float]] = {}  # size -> discounted sums: cost over the points, steps
+        self.curve = self.base
+
+    def __call__(self, n: float) -> float:
+        return self.curve(n)
+
+    def learn(self, n: int, seconds: float) -> None:
+        """A one-row forward over ``n`` new tokens took ``seconds``."""
+        if n < 1 or not 0 < seconds < self.STALL * self.curve(n):  # a compile or a stall says nothing of it
+            return
+        own = self.own.setdefault(n, [0.0, 0.0])
+        own[0], own[1] = self.FORGET * own[0] + seconds / self.base(n), self.FORGET * own[1] + 1.0
+        seen = sorted(self.own)
+        ratios = [(self.own[m][0] + self.PULL) / (self.own[m][1] + self.PULL) for m in seen]
+        sizes = sorted(set(self.sizes) | set(seen))
+        ys = [self.base(m) * float(np.interp(m, seen, ratios)) for m in sizes]
+        self.curve = Curve(dict(zip(sizes, monotone(ys))))

@@ -22,15 +22,16 @@ def make_auto(target, costly: dict[str, Drafter] | None = None, pld_tokens: int 
     """The ``auto`` method: prompt lookup, suffix decoding and predicted outputs always, plus ``costly``
     drafters (a draft model, heads), chosen per sequence and step by measured payoff (drafters.auto).
     ``target``: the model whose verify cost is measured now (once per process and machine: a server pays for it
-    at start-up, not under its first request), after its steps are compiled; ``cost``: those points
-    ({tokens: seconds}) where already known (then ``target`` is not used); ``store``: answers suffix decoding
+    at start-up, not under its first request), after its steps are compiled, and kept current by the steps'
+    own times; ``cost``: those points ({tokens: seconds}) where already known (then ``target`` is not used,
+    and the points are kept as given); ``store``: answers suffix decoding
     drafts from beside earlier ones (SuffixDrafter's)."""
     subs: dict[str, Drafter] = {
         "pld": PromptLookupDrafter(num_tokens=pld_tokens, max_ngram=pld_ngram, min_ngram=pld_min_ngram, dynamic=False),
         "suffix": SuffixDrafter(store=store), "prediction": PredictionDrafter()}
     subs.update(costly or {})
     return AutoDrafter(subs, cost if cost is not None else measure_verify_cost(target, sizes=SIZES),
-                       rows_per_pass(target) if target is not None else None)
+                       rows_per_pass(target) if target is not None else None, learn=cost is None)
 
 
 def auto_heads(heads, cfg: dict, embed) -> dict[str, Drafter]:

@@ -5,7 +5,7 @@ predicted output where given) and each step takes the one expected to give the m
 or none (plain decoding). What decides, all measured on this machine and this sequence:
 
 - the verify cost curve c(n): one target forward over n new tokens (hydraspec.verify_cost), measured on one
-  row; a step of several rows, or of one beside a prompt chunk, runs packed and costs more per token: there
+  row (where it was measured for this drafter, kept current by the one-row steps' own times: LearntCurve); a step of several rows, or of one beside a prompt chunk, runs packed and costs more per token: there
   c(n) is the packed steps' own cost, learnt from their times (hydraspec.packed_cost);
 - each drafter's seconds per proposal (an average over its recent calls);
 - each drafter's acceptance on this sequence by depth: r_d, the chance that a draft at depth d is accepted
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from ..packed_cost import PackedCost
 from ..tally import DEPTHS, Calibration, Tally, reach, shadow_accepted
 from ..tree import DraftTree, shape_of, side_by_side
-from ..verify_cost import Curve
+from ..verify_cost import Curve, LearntCurve
 from .base import DecodeState, Drafter, RowStates, Verdict, capacity_of
 
 DECAY = 0.9  # weight of older observations of a drafter on one sequence, per new observation
@@ -124,18 +124,19 @@ class AutoRow:
 class AutoDrafter(Drafter):
     """See the module docstring. ``drafters``: name -> Drafter; ``cost``: the target's verify cost, measured
     points {n: seconds} (hydraspec.verify_cost); ``block``: the target's kernels' rows per pass over a weight
-    (hydraspec.backend.rows_per_pass)."""
+    (hydraspec.backend.rows_per_pass); ``learn``: keep the one-row curve current by the steps' times."""
 
     name = "auto"
     paced = True
 
-    def __init__(self, drafters: dict[str, Drafter], cost: dict[int, float], block: int | None = None):
+    def __init__(self, drafters: dict[str, Drafter], cost: dict[int, float], block: int | None = None,
+                 learn: bool = False):
         self.drafters = drafters
         self.cheap = {n: d for n, d in drafters.items() if d.cheap}
         self.costly = {n: d for n, d in drafters.items() if not d.cheap}
         self.max_nodes = max([d.max_nodes for d in drafters.values()] + [0])
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
-        self.cost = Curve(cost)
+        self.cost = LearntCurve(cost) if learn else Curve(cost)
         self.packed = PackedCost(self.cost, block)  # steps of several rows, learnt from their own times
         self.step = self.cost  # this step's curve: the one-row one, or the packed one for its rows
         self.totals: dict[str, Tally] = defaultdict(Tally)  # every sequence's counts, undiscounted (stat_key)
@@ -338,6 +339,8 @@ class AutoDrafter(Drafter):
 
     def step_took(self, rows: int, tokens: int, seconds: float) -> None:
         self.packed.learn(rows, tokens, seconds)
+        if rows == 1 and isinstance(self.cost, LearntCurve):
+            self.cost.learn(tokens, seconds)
 
     def forget(self) -> None:
         """Each drafter's memory of earlier answers goes; what was learnt of their acceptance and cost stays."""
