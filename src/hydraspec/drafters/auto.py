@@ -5,8 +5,9 @@ predicted output where given) and each step takes the one expected to give the m
 or none (plain decoding). What decides, all measured on this machine and this sequence:
 
 - the verify cost curve c(n): one target forward over n new tokens (hydraspec.verify_cost), measured on one
-  row (where it was measured for this drafter, kept current by the one-row steps' own times: LearntCurve); a step of several rows, or of one beside a prompt chunk, runs packed and costs more per token: there
-  c(n) is the packed steps' own cost, learnt from their times (hydraspec.packed_cost);
+  row (where it was measured for this drafter, kept current by the one-row steps' own times: LearntCurve); a
+  step of several rows, or of one beside a prompt chunk, runs packed and costs more per token: there c(n) is
+  the packed steps' own cost, learnt from their times (hydraspec.packed_cost);
 - each drafter's seconds per proposal (an average over its recent calls);
 - each drafter's acceptance on this sequence by depth: r_d, the chance that a draft at depth d is accepted
   once the one above it was, from discounted counts (DECAY per observation) of the drafts that reached
