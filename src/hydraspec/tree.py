@@ -124,7 +124,10 @@ def side_by_side(trees: list[DraftTree]) -> tuple[DraftTree, list[int]]:
     items.sort()
     at = {(k, i): j for j, (_, k, i) in enumerate(items)}
     parents = tuple(-1 if trees[k].parents[i] < 0 else at[(k, trees[k].parents[i])] for _, k, i in items)
-    tokens = torch.stack([trees[k].tokens[i] for _, k, i in items]) if items else trees[0].tokens[:0]
+    start = [0]
+    for t in trees:
+        start.append(start[-1] + len(t))
+    tokens = torch.cat([t.tokens for t in trees])[[start[k] + i for _, k, i in items]]
     return DraftTree(tokens, parents, None, trees[0].grade), [k for _, k, _ in items]
 
 

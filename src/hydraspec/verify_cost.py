@@ -156,6 +156,9 @@ class Curve:
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
         return y1 + (y1 - y0) / (x1 - x0) * (n - x1)
 
+    def learn(self, n: int, seconds: float) -> None:
+        """Measured points stay as measured (:class:`LearntCurve` follows the steps)."""
+
 
 class LearntCurve:
     """The one-row curve kept current by the steps' own forwards: each size a step has used gets its steps'
@@ -171,7 +174,7 @@ class LearntCurve:
     STALL = 3.0  # a step over this many times what the curve says is not learnt from
 
     def __init__(self, points: dict[int, float]):
-        self.base, self.sizes = Curve(points), sorted(points)
+        self.base, self.at = Curve(points), dict(points)  # the points, and the curve's value at every size seen
         self.own: dict[int, list[float]] = {}  # size -> discounted sums: cost over the points, steps
         self.curve = self.base
 
@@ -182,10 +185,11 @@ class LearntCurve:
         """A one-row forward over ``n`` new tokens took ``seconds``."""
         if n < 1 or not 0 < seconds < self.STALL * self.curve(n):  # a compile or a stall says nothing of it
             return
+        if n not in self.at:
+            self.at[n] = self.base(n)
         own = self.own.setdefault(n, [0.0, 0.0])
-        own[0], own[1] = self.FORGET * own[0] + seconds / self.base(n), self.FORGET * own[1] + 1.0
-        seen = sorted(self.own)
+        own[0], own[1] = self.FORGET * own[0] + seconds / self.at[n], self.FORGET * own[1] + 1.0
+        seen, sizes = sorted(self.own), sorted(self.at)
         ratios = [(self.own[m][0] + self.PULL) / (self.own[m][1] + self.PULL) for m in seen]
-        sizes = sorted(set(self.sizes) | set(seen))
-        ys = [self.base(m) * float(np.interp(m, seen, ratios)) for m in sizes]
-        self.curve = Curve(dict(zip(sizes, monotone(ys))))
+        ys = np.interp(sizes, seen, ratios) * [self.at[m] for m in sizes]
+        self.curve = Curve(dict(zip(sizes, monotone(ys.tolist()))))

@@ -97,7 +97,7 @@ class Choice:
     tree: DraftTree  # a cheap drafter's proposal as cut (a costly one's comes later)
     rate: float  # the batch's expected tokens per second
     after: Load  # the step's load with this row's choice in it
-    extras: tuple = ()  # (drafter, its cut offer, valued as beside a proposal): other cheap offers beside it
+    extras: tuple = ()  # (drafter, its cut offer): other cheap offers verified beside it
 
 
 @dataclass
@@ -197,30 +197,32 @@ class AutoDrafter(Drafter):
         others = {n: o for n, o in offers.items() if n != choice.name and len(o)}
         if not others or choice.name in self.costly or not s.sampling.greedy:
             return choice
-        trees, extras, rate, after, beside = [choice.tree], [], choice.rate, choice.after, len(choice.tree) > 0
+        trees, extras, rate, after = [choice.tree], [], choice.rate, choice.after
         for n, offer in others.items():
             room = (self.limit or self.max_nodes) - sum(len(t) for t in trees)
             if room <= 0 or not _apart(trees, offer):
                 continue
-            cut = self._best_cut(offer, row, n, after, seconds=0.0, room=room, beside=beside)
+            cut = self._best_cut(offer, row, n, after, seconds=0.0, room=room, beside=len(choice.tree) > 0)
             if cut.rate > rate:
                 kept = offer.head(cut.keep)
                 trees.append(kept)
-                extras.append((n, kept, beside))
+                extras.append((n, kept))
                 rate, after = cut.rate, after.add(cut.keep, cut.gained, 0.0)
         return replace(choice, rate=rate, after=after, extras=tuple(extras)) if extras else choice
 
     @staticmethod
     def _parts(chosen: str | None, tree: DraftTree, extras: tuple) -> tuple[DraftTree, list[Part]]:
-        """The tree to verify (the chosen proposal, extras beside it) and each drafter's part of it."""
+        """The tree to verify (the chosen proposal, extras beside it) and each drafter's part of it (an extra's
+        counted as beside the proposal too where there is one)."""
         if chosen is None and not extras:
             return tree, []
-        parts = ([(chosen, tree, False)] if chosen is not None else []) + list(extras)
-        joined, owner = side_by_side([t for _, t, _ in parts]) if extras else (tree, [0] * len(tree))
+        parts = ([(chosen, tree)] if chosen is not None else []) + list(extras)
+        joined, owner = side_by_side([t for _, t in parts]) if extras else (tree, [0] * len(tree))
         depth = shape_of(joined.with_root()).depth.tolist()[1:]
         out = []
-        for i, (n, t, beside) in enumerate(parts):
+        for i, (n, t) in enumerate(parts):
             stat = stat_key(n, t.grade)
+            beside = i > 0 and len(tree) > 0
             out.append(Part(n, (stat + BESIDE, stat) if beside else (stat,), [j for j, k in enumerate(owner) if k == i],
                             [d for d, k in zip(depth, owner) if k == i]))
         return joined, out
@@ -340,7 +342,7 @@ class AutoDrafter(Drafter):
 
     def step_took(self, rows: int, tokens: int, seconds: float) -> None:
         self.packed.learn(rows, tokens, seconds)
-        if rows == 1 and isinstance(self.cost, LearntCurve):
+        if rows == 1:
             self.cost.learn(tokens, seconds)
 
     def forget(self) -> None:
@@ -368,7 +370,7 @@ class AutoDrafter(Drafter):
         (also as beside the chosen proposal where its top token differs from that one's)."""
         if not s.sampling.greedy:
             return
-        verified = [choice.name] + [n for n, _, _ in choice.extras]
+        verified = [choice.name] + [n for n, _ in choice.extras]
         for n, tree in offers.items():
             if n not in verified and len(tree) and n not in row.shadows and shape_of(tree.with_root()).is_chain:
                 stat = stat_key(n, tree.grade)
