@@ -325,3 +325,28 @@ def test_a_target_compiled_with_hidden_states_beside_a_draft_of_its_class_runs_s
             forward_nodes(draft, caches[2], tok, pos, None, 0, last_only=True)
             assert torch.equal(ref, out), (n, step)
             assert not want or torch.equal(h0, h1), (n, step)
+
+
+
+def test_the_steps_that_return_hidden_states_leave_out_the_guards_on_the_modules_too(tmp_path, monkeypatch):
+    """Both step functions (plain, and returning the hidden states that heads read) are compiled with the guard
+    filter that leaves out the guards on the model's modules. torch.compile takes the filter out of the options
+    dict it is given; both compiles were handed one dict, so every step of heads and `auto` checked every
+    guard on every call."""
+    from test_gguf import _write_tiny_llama
+
+    graph = _graph_or_skip()
+    if "guard_filter_fn" not in graph.step_options():
+        pytest.skip("this torch compiles the steps with every guard")
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_llama(path, ["Q4_K", "Q8_0"])
+    model = _tiny_gguf_model(path)
+    compile = torch.compile
+    given = []
+
+    def spy(fn, **kw):
+        given.append(kw.get("options", {}).get("guard_filter_fn"))
+        return compile(fn, **kw)
+    monkeypatch.setattr(torch, "compile", spy)
+    assert graph.compile_steps(model) is None
+    assert given == [graph.module_values_only] * 2

@@ -187,9 +187,9 @@ def compile_steps(model: torch.nn.Module) -> str | None:
     def with_hidden(**kw):  # only the features leave the graph (the other states are never kept)
         out = eager_forward(**kw, output_hidden_states=True, logits_to_keep=0)
         return out.logits, features(model, out.hidden_states)
-    options = step_options()
-    compiled = (torch.compile(eager_forward, dynamic=True, options=options),
-                torch.compile(with_hidden, dynamic=True, options=options))
+    # each its own options: torch.compile pops the guard filter out of the dict it is given
+    compiled = (torch.compile(eager_forward, dynamic=True, options=step_options()),
+                torch.compile(with_hidden, dynamic=True, options=step_options()))
     key = next(iter(cache_kwargs(model, None)))  # the keyword the model's forward takes its cache by
 
     def forward(*args, **kwargs):
