@@ -332,3 +332,28 @@ def test_a_following_head_in_auto_reads_every_committed_pair_and_stays_exact(tok
         assert res.token_ids == ref.token_ids
         assert len(seen) >= res.stats.target_forwards - 1
         assert all(fed == end for fed, end in seen), seen
+
+
+def test_a_drafting_heads_rotary_table_gives_what_the_rotary_embedding_computes():
+    """Drafting looks cos and sin up in a table kept on the head (grown a block at a time) instead of computing
+    them each step: the same values bit for bit at positions across a block's edge, in either dtype; under
+    autograd no table is kept."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from hydraspec.heads.eagle import ROPE_BLOCK, rope_at
+
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
+                                              max_position_embeddings=4 * ROPE_BLOCK))
+    head = torch.nn.Module()
+    with torch.no_grad():
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(1, 3, 64, dtype=dtype)
+            for start in (0, 5, ROPE_BLOCK - 2, 2 * ROPE_BLOCK + 7):
+                pos = torch.arange(start, start + 3)
+                want, got = rotary(x, pos[None]), rope_at(head, rotary, x, pos)
+                assert all(torch.equal(a, b) for a, b in zip(want, got)), (dtype, start)
+            assert head.hs_rope_table[1].shape[1] == 3 * ROPE_BLOCK and head.hs_rope_table[1].dtype == dtype
+    fresh = torch.nn.Module()
+    rope_at(fresh, rotary, torch.randn(1, 1, 64), torch.tensor([3]))
+    assert not hasattr(fresh, "hs_rope_table")
