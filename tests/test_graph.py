@@ -327,7 +327,6 @@ def test_a_target_compiled_with_hidden_states_beside_a_draft_of_its_class_runs_s
             assert not want or torch.equal(h0, h1), (n, step)
 
 
-
 def test_the_steps_that_return_hidden_states_leave_out_the_guards_on_the_modules_too(tmp_path, monkeypatch):
     """Both step functions (plain, and returning the hidden states that heads read) are compiled with the guard
     filter that leaves out the guards on the model's modules. torch.compile takes the filter out of the options
