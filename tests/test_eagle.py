@@ -334,26 +334,32 @@ def test_a_following_head_in_auto_reads_every_committed_pair_and_stays_exact(tok
         assert all(fed == end for fed, end in seen), seen
 
 
-def test_a_drafting_heads_rotary_table_gives_what_the_rotary_embedding_computes():
-    """Drafting looks cos and sin up in a table kept on the head (grown a block at a time) instead of computing
-    them each step: the same values bit for bit at positions across a block's edge, in either dtype; under
-    autograd no table is kept."""
+
+def test_a_rotary_table_gives_what_the_rotary_embedding_computes():
+    """Drafting heads and compiled steps look cos and sin up in a table kept on the rotary module (grown a block
+    at a time) instead of computing them each step: the same values bit for bit at positions across a block's
+    edge, in either dtype, for one row or several; under autograd, or with dynamic scaling, no table is kept."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from hydraspec.heads.eagle import ROPE_BLOCK, rope_at
+    from hydraspec.backend import rotary_at
+    from hydraspec.cpu.ops import ROTARY_BLOCK
 
-    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
-                                              max_position_embeddings=4 * ROPE_BLOCK))
-    head = torch.nn.Module()
+    def make(**rope):
+        return LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
+                                                max_position_embeddings=4 * ROTARY_BLOCK, **rope))
+    rotary = make()
     with torch.no_grad():
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(1, 3, 64, dtype=dtype)
-            for start in (0, 5, ROPE_BLOCK - 2, 2 * ROPE_BLOCK + 7):
-                pos = torch.arange(start, start + 3)
-                want, got = rotary(x, pos[None]), rope_at(head, rotary, x, pos)
+            for start in (0, 5, ROTARY_BLOCK - 2, 2 * ROTARY_BLOCK + 7):
+                pos = torch.stack([torch.arange(start, start + 3), torch.arange(start + 1, start + 4)])
+                want, got = rotary(x, pos), rotary_at(rotary, x, pos)
                 assert all(torch.equal(a, b) for a, b in zip(want, got)), (dtype, start)
-            assert head.hs_rope_table[1].shape[1] == 3 * ROPE_BLOCK and head.hs_rope_table[1].dtype == dtype
-    fresh = torch.nn.Module()
-    rope_at(fresh, rotary, torch.randn(1, 1, 64), torch.tensor([3]))
-    assert not hasattr(fresh, "hs_rope_table")
+            assert rotary.hs_rotary_table[1].shape[0] == 3 * ROTARY_BLOCK and rotary.hs_rotary_table[0][0] == dtype
+        dynamic = make(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+        rotary_at(dynamic, torch.randn(1, 1, 64), torch.tensor([[3]]))
+        assert not hasattr(dynamic, "hs_rotary_table")
+    fresh = make()
+    rotary_at(fresh, torch.randn(1, 1, 64), torch.tensor([[3]]))
+    assert not hasattr(fresh, "hs_rotary_table")

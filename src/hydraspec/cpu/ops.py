@@ -16,7 +16,7 @@ import torch
 
 from ..home import hydraspec_home
 
-__all__ = ["load", "tracing", "register_rotary", "rotary"]
+__all__ = ["load", "tracing", "register_rotary", "rotary", "rotary_at"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "hs_torch_ops.cpp"
 _loaded = False
@@ -86,9 +86,9 @@ def _register_fakes() -> None:
 
 @torch.library.custom_op("hydraspec::rotary", mutates_args=())
 def rotary(x: torch.Tensor, position_ids: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos/sin of rotary module ``index`` (registered by :func:`compile_steps`), computed eagerly by its
-    own stock forward."""
-    cos, sin = _rotaries[index].hs_eager_forward(x, position_ids)
+    """The cos/sin of rotary module ``index`` (registered by :func:`compile_steps`), as its own stock forward
+    computes them (:func:`rotary_at`)."""
+    cos, sin = rotary_at(_rotaries[index], x, position_ids)
     return cos.clone(), sin.clone()
 
 
@@ -114,6 +114,29 @@ def load(kernel_addresses: list[int]) -> str | None:
         _register_fakes()
     _loaded = True
     return None
+
+
+ROTARY_BLOCK = 1024  # positions a rotary table grows by
+
+
+def rotary_at(module, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``module(x, position_ids)`` for a rotary-embedding module: the (cos, sin) [B, n, dim] at ``position_ids``
+    [B, n], looked up in a table of every position below the highest asked for, kept on the module and computed
+    by its own stock forward ROTARY_BLOCK positions at a time; the same values bit for bit (tested). Computing
+    them each step cost a compiled step 0.2 ms and a drafting head's step an eighth (BENCHMARKS.md). Computed
+    directly under autograd (no table joins a graph) and where the frequencies follow the length (dynamic and
+    LongRoPE scaling)."""
+    forward = getattr(module, "hs_eager_forward", module)
+    kind = str(getattr(module, "rope_type", "default"))
+    if torch.is_grad_enabled() or position_ids.numel() == 0 or "dynamic" in kind or kind == "longrope":
+        return forward(x, position_ids)
+    need = int(position_ids.max()) + 1
+    table = getattr(module, "hs_rotary_table", None)
+    if table is None or table[0] != (x.dtype, x.device) or table[1].shape[0] < need:
+        size = -(-need // ROTARY_BLOCK) * ROTARY_BLOCK
+        cos, sin = forward(x, torch.arange(size, device=x.device)[None])
+        table = module.hs_rotary_table = ((x.dtype, x.device), cos[0], sin[0])
+    return table[1][position_ids], table[2][position_ids]
 
 
 def register_rotary(module) -> int:

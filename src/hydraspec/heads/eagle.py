@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ..backend import rotary_at
 from ..cache import cache_kwargs
 from ..errors import HydraspecError
 from .modules import Heads
@@ -40,25 +41,6 @@ def causal_mask(n: int, past: int, dtype, device) -> torch.Tensor:
         later = torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
         mask[:, past:].masked_fill_(later, torch.finfo(dtype).min)
     return mask[None, None]
-
-
-ROPE_BLOCK = 1024  # positions a drafting head's rotary table grows by
-
-
-def rope_at(head: nn.Module, rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor):
-    """``rotary(x, positions[None])``, the (cos, sin) of a rotary embedding, looked up in a table of every
-    position below the highest asked for, kept on ``head`` and computed ROPE_BLOCK positions at a time (each
-    step computing its own was an eighth of a drafting head's step: BENCHMARKS.md). Under autograd (training)
-    computed directly, so that no table joins a graph."""
-    if torch.is_grad_enabled() or positions.numel() == 0:
-        return rotary(x, positions[None])
-    table = getattr(head, "hs_rope_table", None)
-    need = int(positions.max()) + 1
-    if table is None or table[0] != (x.dtype, x.device) or table[1].shape[1] < need:
-        size = -(-need // ROPE_BLOCK) * ROPE_BLOCK
-        table = ((x.dtype, x.device), *rotary(x, torch.arange(size, device=x.device)[None]))
-        head.hs_rope_table = table
-    return table[1][:, positions], table[2][:, positions]
 
 
 def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -118,7 +100,7 @@ class EagleHeads(Heads):
         if mask is None:
             mask = causal_mask(x.shape[1], past, x.dtype, x.device)
         pos = positions[None]
-        cos_sin = rope_at(self, self._rotary[0], x, positions)
+        cos_sin = rotary_at(self._rotary[0], x, pos)
         for layer in self.layers:
             out = layer(hidden_states=x, attention_mask=mask, position_ids=pos, **cache_kwargs(layer, cache),
                         use_cache=cache is not None, position_embeddings=cos_sin)

@@ -22,8 +22,9 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from ..backend import rotary_at
 from ..cache import cache_kwargs
-from .eagle import EagleHeads, causal_mask, rope_at
+from .eagle import EagleHeads, causal_mask
 from .modules import Heads
 
 __all__ = ["Eagle3Heads", "default_feature_layers", "layer_config"]
@@ -110,7 +111,7 @@ class Eagle3Heads(EagleHeads):
             mask = causal_mask(g.shape[1], past, g.dtype, g.device)
         layer = self.layers[0]
         x = torch.cat([layer.input_layernorm(e), self.hidden_norm(g)], dim=-1)
-        out = layer.self_attn(hidden_states=x, position_embeddings=rope_at(self, self.rotary, g, positions),
+        out = layer.self_attn(hidden_states=x, position_embeddings=rotary_at(self.rotary, g, positions[None]),
                               attention_mask=mask, **cache_kwargs(layer.self_attn, cache))
         h = g + (out[0] if isinstance(out, tuple) else out)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
