@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from .cpu import attention, build, gguf, graph, kernels, mlp, norm, pages, quantized, rope
+from .cpu.graph import causal_mask
 from .cpu.ops import rotary_at
 
-__all__ = ["rotary_at", "prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops", "int8_per_row", "W4_GROUPS",
-           "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id", "cpu_model", "huge_pages",
-           "compile_steps"]
+__all__ = ["causal_mask", "rotary_at", "prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops",
+           "int8_per_row", "W4_GROUPS", "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id",
+           "cpu_model", "huge_pages", "compile_steps"]
 
 
 def prepack(module: nn.Module) -> int:

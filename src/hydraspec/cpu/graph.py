@@ -39,7 +39,7 @@ from . import kernels, ops
 from .gguf import GGUFLinear
 from .quantized import W4A8Linear
 
-__all__ = ["available", "compile_steps"]
+__all__ = ["available", "compile_steps", "causal_mask"]
 
 
 @lru_cache(maxsize=1)
@@ -73,12 +73,15 @@ def _step(kwargs) -> bool:
             and isinstance(kwargs.get("logits_to_keep", 0), int) and kwargs.keys() <= _STEP_KEYWORDS)
 
 
-def _causal_mask(n: int, past: int) -> torch.Tensor:
-    """The additive [1, 1, n, past + n] mask that lets new token i see the cache and new tokens 0..i: what the
-    model builds for itself when given none, passed in so that masked and unmasked calls share one graph."""
-    mask = torch.zeros(n, past + n, dtype=torch.bfloat16)
-    later = torch.arange(past + n)[None, :] > past + torch.arange(n)[:, None]
-    return mask.masked_fill_(later, torch.finfo(torch.bfloat16).min)[None, None]
+def causal_mask(n: int, past: int, dtype=torch.bfloat16, device=None) -> torch.Tensor:
+    """The additive [1, 1, n, past + n] mask that lets new token i see the cache and new tokens 0..i: what a
+    model builds for itself when given none (passed in by the steps so that masked and unmasked calls share one
+    graph; a drafting head's layer reads its new pairs under it)."""
+    mask = torch.zeros(n, past + n, dtype=dtype, device=device)
+    if n > 1:
+        later = torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+        mask[:, past:].masked_fill_(later, torch.finfo(dtype).min)
+    return mask[None, None]
 
 
 def _run(compiled, past: int, cache: dict, input_ids, position_ids=None, attention_mask=None, use_cache=True,
@@ -91,7 +94,7 @@ def _run(compiled, past: int, cache: dict, input_ids, position_ids=None, attenti
     the KV cache under the keyword the model takes it by (hydraspec.cache.cache_kwargs)."""
     n = input_ids.shape[1]
     if attention_mask is None:
-        attention_mask = _causal_mask(n, past)
+        attention_mask = causal_mask(n, past)
     if position_ids is None:
         position_ids = torch.arange(past, past + n)[None]
     duck = fx_config.use_duck_shape  # off: sizes that happen to be equal (rows, heads) must not become one

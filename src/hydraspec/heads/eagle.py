@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..backend import rotary_at
+from ..backend import causal_mask, rotary_at
 from ..cache import cache_kwargs
 from ..errors import HydraspecError
 from .modules import Heads
@@ -32,15 +32,6 @@ def decoder_of(model):
     if not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         raise HydraspecError(f"{type(model).__name__}: no decoder layers / rotary embedding found for an EAGLE layer")
     return base
-
-
-def causal_mask(n: int, past: int, dtype, device) -> torch.Tensor:
-    """[1, 1, n, past + n] additive mask: n new positions see everything cached and the new ones before them."""
-    mask = torch.zeros(n, past + n, dtype=dtype, device=device)
-    if n > 1:
-        later = torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
-        mask[:, past:].masked_fill_(later, torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def additive(allowed: torch.Tensor, dtype) -> torch.Tensor:

@@ -22,9 +22,9 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..backend import rotary_at
+from ..backend import causal_mask, rotary_at
 from ..cache import cache_kwargs
-from .eagle import EagleHeads, causal_mask
+from .eagle import EagleHeads
 from .modules import Heads
 
 __all__ = ["Eagle3Heads", "default_feature_layers", "layer_config"]
