@@ -79,6 +79,24 @@ def test_rows_are_independent(type_name, native, monkeypatch):
     assert ((full.float() - dense).abs() <= 0.05 * scale).all()  # int8 activations: close, not equal
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_wide_inputs_take_narrower_passes_and_rows_stay_independent(type_name):
+    """Weights with many inputs (an MLP's down projection) take fewer rows a pass (hs_gguf.h's pass_rows: 9
+    rows of 8,960 inputs go as 5 + 4, of 512 inputs as one pass): each row still equals itself computed
+    alone, for 1-16 rows."""
+    import hydraspec.cpu.gguf as gw
+
+    if gw._gguf_lib() is None:
+        pytest.skip("no native GGUF kernel on this CPU")
+    lin = GGUFLinear(decode(type_name, random_tensor(type_name, 40, 8960, seed=2), 40, 8960), bias=torch.randn(40))
+    x = torch.randn(16, 8960).bfloat16()
+    x[5] *= 30
+    with torch.no_grad():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
+        for n in range(2, len(x) + 1):
+            assert torch.equal(lin(x[:n]), alone[:n]), n
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_outputs_do_not_depend_on_how_blocks_are_handed_to_threads(type_name):
     """Weight blocks handed to threads in fixed halves (static) or as each thread finishes (dynamic, the

@@ -196,12 +196,21 @@ void hs_gguf_rows(const gguf_call* c, const int64_t* ids, int64_t n, uint16_t* o
     }
 }
 
+/* Rows a pass takes over a weight with `in` inputs, at most nb: a pass of more than 6 rows keeps its activation
+   codes (nr x in bytes, read once per block of 32 outputs) within PASS_BYTES, beyond which a wide pass cost
+   more than two narrow ones (Zen 5: 12 rows of 8960 inputs 1.35x 6 + 6; docs/cpu-kernels.md). */
+#define PASS_BYTES (70 << 10)
+static inline int64_t pass_rows(int64_t nb, int64_t in) {
+    int64_t fit = PASS_BYTES / in;
+    return nb <= 6 ? nb : fit < 6 ? 6 : fit > nb ? nb : fit;
+}
+
 /* A build's GGUF entry point over its tile function: the weight's fields in one struct (y ignored), so a call
    from Python passes five arguments. */
 #define GGUF_ENTRIES(NB_, TILE_) \
 int hs_gguf_apply(const uint16_t* xb, int64_t n, const gguf_call* w, uint16_t* y, int nthreads) { \
     gguf_call c = *w; \
     c.y = y; \
-    return run_gguf(xb, n, NB_, &c, TILE_, nthreads); \
+    return run_gguf(xb, n, pass_rows(NB_, c.in), &c, TILE_, nthreads); \
 }
 #endif
