@@ -11,6 +11,14 @@ from hydraspec.cpu import kernels
 from hydraspec.cpu.attention import MAX_QUERIES, cpu_attention
 
 
+@pytest.fixture(autouse=True)
+def inference():
+    """Every call as in decoding, without gradients: with them a call goes to sdpa (the training test turns
+    them on)."""
+    with torch.no_grad():
+        yield
+
+
 def module(groups: int):
     return types.SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
 
@@ -78,18 +86,36 @@ def test_fully_masked_row_gives_zeros_not_nan():
     assert (out[1, 2] == 0).all()
 
 
-def test_prefill_and_maskless_calls_go_to_sdpa():
-    # many queries (prefill) and a multi-query call without a mask (causal) are sdpa's; same result
-    for n, L in ((MAX_QUERIES + 1, MAX_QUERIES + 1), (5, 5)):
-        q, k, v = inputs(1, 4, 2, n, L)
+def test_causal_prefill_without_a_mask(monkeypatch):
+    """A maskless call of several queries over as many keys is a causal prefill (sdpa's is_causal): the native
+    kernel computes it where it is built, equal to sdpa and causal, and the last queries read as a second chunk
+    (with the mask transformers gives a chunk) get what the whole prefill gives them; past PREFILL_PAIRS it is
+    sdpa's."""
+    import hydraspec.cpu.attention as att
+
+    for n in (5, MAX_QUERIES + 1, 150):
+        q, k, v = inputs(1, 4, 2, n, n, seed=n)
         ref, _ = sdpa_attention_forward(module(2), q, k, v, None)
         out, _ = cpu_attention(module(2), q, k, v, None)
-        torch.testing.assert_close(out, ref)
-        # causal: the first query ignores every later key
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         v2 = v.clone()
-        v2[:, :, 1:] += 5
+        v2[:, :, 1:] += 5  # causal: the first query ignores every later key
         out2, _ = cpu_attention(module(2), q, k, v2, None)
-        torch.testing.assert_close(out2[:, 0], out[:, 0])
+        assert torch.equal(out2[:, 0], out[:, 0])
+        if kernels.fused_lib() is not None:
+            m = min(n // 3 + 1, MAX_QUERIES)
+            tail, _ = cpu_attention(module(2), q[:, :, n - m:], k, v, att.causal_rows(n, n)[:, :, n - m:])
+            torch.testing.assert_close(tail, out[:, n - m:], atol=3e-7, rtol=1e-6)
+    calls, real = [], att._native
+    monkeypatch.setattr(att, "_native", lambda *a: calls.append(a[3]) or real(*a))
+    cpu_attention(module(2), *inputs(1, 4, 2, 100, 100), None)
+    assert len(calls) == 1 and torch.equal(calls[0][0, 0], torch.ones(100, 100, dtype=torch.bool).tril())
+    calls.clear()
+    monkeypatch.setattr(att, "PREFILL_PAIRS", 100)
+    q, k, v = inputs(1, 4, 2, 11, 11)
+    out, _ = cpu_attention(module(2), q, k, v, None)  # 121 pairs: sdpa's, the kernel not asked
+    torch.testing.assert_close(out, sdpa_attention_forward(module(2), q, k, v, None)[0])
+    assert calls == []
 
 
 def test_training_with_gradients_goes_to_sdpa():
@@ -97,11 +123,12 @@ def test_training_with_gradients_goes_to_sdpa():
     q, k, v = inputs(1, 4, 2, 3, 10)
     q.requires_grad_(True)
     mask = tree_bool_mask(1, 3, 10)
-    out, _ = cpu_attention(module(2), q, k, v, mask)
-    out.sum().backward()
-    ref_q = q.detach().clone().requires_grad_(True)
-    ref, _ = sdpa_attention_forward(module(2), ref_q, k, v, mask)
-    ref.sum().backward()
+    with torch.enable_grad():
+        out, _ = cpu_attention(module(2), q, k, v, mask)
+        out.sum().backward()
+        ref_q = q.detach().clone().requires_grad_(True)
+        ref, _ = sdpa_attention_forward(module(2), ref_q, k, v, mask)
+        ref.sum().backward()
     torch.testing.assert_close(q.grad, ref_q.grad)
 
 
