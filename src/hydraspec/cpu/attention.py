@@ -104,7 +104,7 @@ def packed_attention(module, query, key, value, attention_mask, index: torch.Ten
     b * N + j in that layout. The queries are scattered into it, attended as usual, and gathered back:
     ([1, T, H, dv], None)."""
     b, n = key.shape[0], attention_mask.shape[-2]
-    h, t, d = query.shape[1], query.shape[2], query.shape[3]
+    h, d = query.shape[1], query.shape[3]
     q = query.new_zeros(b * n, h, d)
     q[index] = query[0].transpose(0, 1)
     q = q.view(b, n, h, d).transpose(1, 2)
