@@ -89,8 +89,8 @@ def test_fully_masked_row_gives_zeros_not_nan():
 def test_causal_prefill_without_a_mask(monkeypatch):
     """A maskless call of several queries over as many keys is a causal prefill (sdpa's is_causal): the native
     kernel computes it where it is built, equal to sdpa and causal, and the last queries read as a second chunk
-    (with the mask transformers gives a chunk) get what the whole prefill gives them; past PREFILL_PAIRS it is
-    sdpa's."""
+    (with the mask transformers gives a chunk, also past MAX_QUERIES) get what the whole prefill gives them;
+    past PREFILL_PAIRS it is sdpa's."""
     import hydraspec.cpu.attention as att
 
     for n in (5, MAX_QUERIES + 1, 150):
@@ -110,6 +110,12 @@ def test_causal_prefill_without_a_mask(monkeypatch):
     monkeypatch.setattr(att, "_native", lambda *a: calls.append(a[3]) or real(*a))
     cpu_attention(module(2), *inputs(1, 4, 2, 100, 100), None)
     assert len(calls) == 1 and torch.equal(calls[0][0, 0], torch.ones(100, 100, dtype=torch.bool).tril())
+    calls.clear()
+    q, k, v = inputs(1, 4, 2, 100, 160, seed=3)  # a prompt's second chunk, with its mask: the kernel's too
+    mask = att.causal_rows(160, 160)[:, :, 60:]
+    out, _ = cpu_attention(module(2), q, k, v, mask)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, sdpa_attention_forward(module(2), q, k, v, mask)[0], atol=1e-5, rtol=1e-5)
     calls.clear()
     monkeypatch.setattr(att, "PREFILL_PAIRS", 100)
     q, k, v = inputs(1, 4, 2, 11, 11)

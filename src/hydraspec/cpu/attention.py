@@ -4,11 +4,11 @@ PyTorch's CPU `scaled_dot_product_attention` is tuned for long query blocks. For
 decoding step or a verify step it costs far more than the arithmetic (growing in steps with the context;
 docs/cpu-kernels.md, "Measurements behind the code"). `hydraspec_cpu` computes those cases directly: grouped-query
 heads are folded into the query rows (no repeated keys), scores and softmax in float32, then the
-weighted values. A causal prefill of up to :data:`PREFILL_PAIRS` query-key pairs runs there too (1.7-2.8x
-faster than sdpa for 64-4,000 tokens, docs/cpu-kernels.md), the same arithmetic as a prompt read in chunks.
-Longer prefills and anything unusual (softcap, attention sinks, dropout, output_attentions, a
-maskless non-causal multi-query call, a GPU tensor, training with gradients) go to transformers' own sdpa
-function.
+weighted values. A prompt or a chunk of one (up to :data:`PREFILL_PAIRS` query-key pairs, causal when no
+mask is given) runs there too (1.7-2.8x faster than sdpa
+for 64-4,000 tokens, docs/cpu-kernels.md). Longer prompts and anything unusual (softcap, attention sinks,
+dropout, output_attentions, a maskless multi-query call that is not causal, a GPU tensor, training with
+gradients) go to transformers' own sdpa function.
 
 It is registered under the name "hydraspec_cpu" for `attn_implementation` through transformers'
 public AttentionInterface / AttentionMaskInterface (the model classes stay the stock ones);
@@ -24,8 +24,8 @@ import transformers
 from . import kernels, ops
 
 NAME = "hydraspec_cpu"
-MAX_QUERIES = 64  # query rows per call with a mask of the caller's handled here; longer calls go to sdpa
-PREFILL_PAIRS = 1 << 22  # query x key pairs of a maskless causal prefill handled here (its bool mask: 4 MB)
+MAX_QUERIES = 64  # query rows a call may have here whatever its keys (decoding, verifying)
+PREFILL_PAIRS = 1 << 22  # query x key pairs of a longer call (a prompt) handled here (a causal mask: 4 MB)
 PACKED = "hs_packed_index"  # the model-call keyword that marks a packed forward (see packed_attention)
 
 
@@ -47,9 +47,12 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     hkv, kv_len = key.shape[1], key.shape[2]
     plain = _plain(query, h, hkv, dropout, kwargs)
     scale = scaling if scaling is not None else d ** -0.5
-    if (plain and attention_mask is None and 1 < n == kv_len and n * n <= PREFILL_PAIRS and is_causal is not False
-            and getattr(module, "is_causal", True) and not ops.tracing()):  # a causal prefill, as sdpa's is_causal
-        out = _native(query, key, value, causal_rows(n, n), scale)
+    if plain and 1 < n and n * kv_len <= PREFILL_PAIRS and not ops.tracing():  # a prompt, or a chunk of it
+        mask = attention_mask
+        if mask is None and n == kv_len and is_causal is not False and getattr(module, "is_causal", True):
+            mask = causal_rows(n, n)  # what sdpa's is_causal means
+        out = _native(query, key, value, mask, scale) if mask is not None and (
+            attention_mask is None or n > MAX_QUERIES) else None
         if out is not None:
             return out, None
     if not (plain and n <= MAX_QUERIES and (attention_mask is not None or n == 1)):
