@@ -5,10 +5,9 @@ decoding step or a verify step it costs far more than the arithmetic (growing in
 docs/cpu-kernels.md, "Measurements behind the code"). `hydraspec_cpu` computes those cases directly: grouped-query
 heads are folded into the query rows (no repeated keys), scores and softmax in float32, then the
 weighted values. A prompt or a chunk of one (up to :data:`PREFILL_PAIRS` query-key pairs, causal when no
-mask is given) runs there too (1.7-2.8x faster than sdpa
-for 64-4,000 tokens, docs/cpu-kernels.md). Longer prompts and anything unusual (softcap, attention sinks,
-dropout, output_attentions, a maskless multi-query call that is not causal, a GPU tensor, training with
-gradients) go to transformers' own sdpa function.
+mask is given) runs there too (1.7-2.8x faster than sdpa for 64-4,000 tokens, docs/cpu-kernels.md). Longer
+prompts and anything unusual (softcap, attention sinks, dropout, output_attentions, a maskless multi-query
+call that is not causal, a GPU tensor, training with gradients) go to transformers' own sdpa function.
 
 It is registered under the name "hydraspec_cpu" for `attn_implementation` through transformers'
 public AttentionInterface / AttentionMaskInterface (the model classes stay the stock ones);
@@ -30,15 +29,17 @@ PACKED = "hs_packed_index"  # the model-call keyword that marks a packed forward
 
 
 def _fallback(module, query, key, value, attention_mask, **kwargs):
-    return transformers.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return transformers.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask,
+                                                                          **kwargs)
 
 
 def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   is_causal: bool | None = None, **kwargs):
-    """query [B, H, n, d], key/value [B, Hkv, L, d(v)], attention_mask None (one query: attend to all;
-    several: causal, the last n of L positions) or [B, 1|H, n, >=L] bool (True = attend) or additive float. Returns ([B, n, H, dv], None).
-    A packed forward (keyword ``hs_packed_index``) goes through :func:`packed_attention`."""
+    """query [B, H, n, d], key/value [B, Hkv, L, d(v)], attention_mask None (one query: attend to all; as many
+    queries as keys: causal, as sdpa's is_causal) or [B, 1|H, n, >=L] bool (True = attend) or additive float.
+    Returns ([B, n, H, dv], None). A packed forward (keyword ``hs_packed_index``) goes through
+    :func:`packed_attention`."""
     index = kwargs.pop(PACKED, None)
     if index is not None:
         return packed_attention(module, query, key, value, attention_mask, index, dropout=dropout, scaling=scaling,
