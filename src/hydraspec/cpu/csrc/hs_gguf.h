@@ -197,9 +197,10 @@ void hs_gguf_rows(const gguf_call* c, const int64_t* ids, int64_t n, uint16_t* o
 }
 
 /* Rows a pass takes over a weight with `in` inputs, at most nb: a pass of more than 6 rows keeps its activation
-   codes (nr x in bytes, read once per block of 32 outputs) within PASS_BYTES, beyond which a wide pass cost
-   more than two narrow ones (Zen 5: 12 rows of 8960 inputs 1.35x 6 + 6; docs/cpu-kernels.md). */
-#define PASS_BYTES (70 << 10)
+   codes (nr x in bytes, read once per block of 32 outputs) within PASS_BYTES, beyond which a wide pass could
+   cost more than two narrow ones (Zen 5: 12 rows of 8960 inputs 1.38x 6 + 6; in a fast hour a verify forward
+   over 8 tokens 1.24x with 8 rows a pass there than with 4 + 4; docs/cpu-kernels.md). */
+#define PASS_BYTES (64 << 10)
 static inline int64_t pass_rows(int64_t nb, int64_t in) {
     int64_t fit = PASS_BYTES / in;
     return nb <= 6 ? nb : fit < 6 ? 6 : fit > nb ? nb : fit;
