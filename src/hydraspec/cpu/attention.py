@@ -48,12 +48,9 @@ def cpu_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     hkv, kv_len = key.shape[1], key.shape[2]
     plain = _plain(query, h, hkv, dropout, kwargs)
     scale = scaling if scaling is not None else d ** -0.5
-    if plain and 1 < n and n * kv_len <= PREFILL_PAIRS and not ops.tracing():  # a prompt, or a chunk of it
-        mask = attention_mask
-        if mask is None and n == kv_len and is_causal is not False and getattr(module, "is_causal", True):
-            mask = causal_rows(n, n)  # what sdpa's is_causal means
-        out = _native(query, key, value, mask, scale) if mask is not None and (
-            attention_mask is None or n > MAX_QUERIES) else None
+    prompt = _prompt_mask(module, attention_mask, n, kv_len, is_causal) if plain and not ops.tracing() else None
+    if prompt is not None:
+        out = _native(query, key, value, prompt, scale)
         if out is not None:
             return out, None
     if not (plain and n <= MAX_QUERIES and (attention_mask is not None or n == 1)):
@@ -94,6 +91,19 @@ def _plain(query, h: int, hkv: int, dropout: float, kwargs: dict) -> bool:
     return (query.device.type == "cpu" and not torch.is_grad_enabled() and not dropout and h % hkv == 0
             and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sinks", "position_bias", "cache"))
             and not kwargs.get("output_attentions"))
+
+
+def _prompt_mask(module, mask, n: int, kv_len: int, is_causal: bool | None) -> torch.Tensor | None:
+    """The mask under which a prompt, or a chunk of one, runs on the kernel: the caller's for more than
+    MAX_QUERIES queries, a causal one where none is given and sdpa would take the call as causal (as many
+    queries as keys); None for calls of one query or over PREFILL_PAIRS pairs, and for the decoding steps'
+    few masked queries (the path below)."""
+    if n < 2 or n * kv_len > PREFILL_PAIRS:
+        return None
+    if mask is not None:
+        return mask if n > MAX_QUERIES else None
+    causal = n == kv_len and is_causal is not False and getattr(module, "is_causal", True)
+    return causal_rows(n, n) if causal else None
 
 
 def causal_rows(n: int, kv_len: int) -> torch.Tensor:

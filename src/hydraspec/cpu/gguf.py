@@ -71,8 +71,9 @@ def _gguf_lib():
 
 
 def rows_per_pass() -> int | None:
-    """Activation rows the GGUF kernel takes per pass over a block of weights (NBG in csrc/bf16_linear.c, the
-    AVX-512 VNNI build; NG in csrc/avx2_linear.c); None without the kernel."""
+    """The most activation rows the GGUF kernel takes per pass over a block of weights (NBG in
+    csrc/bf16_linear.c, the AVX-512 VNNI build, fewer over wide weights: hs_gguf.h's pass_rows; NG in
+    csrc/avx2_linear.c); None without the kernel."""
     lib = _gguf_lib()
     if lib is None:
         return None
