@@ -5,11 +5,14 @@ code-edit request), non-streamed, greedy, to the same server; the report gives t
 speedup, ``usage.completion_tokens_details`` (accepted / rejected prediction tokens) and whether the two
 answers are identical (they must be: a prediction changes only the speed). Run it once against a server
 started with ``--method ar`` (``--label ar``) and once against ``--method auto`` to compare with plain
-decoding; every run is kept in ``--out`` and the table covers all of them:
+decoding; every run is kept in ``--out`` and the table covers all of them. The second request of a question
+finds its prompt in the server's prefix cache (and, with suffix decoding, the first answer in its store);
+``--predicted-first`` sends the predicted request first, so that it meets neither:
 
     hydraspec serve --model qwen2.5-coder-1.5b-instruct --method auto --port 8000 &
     python benchmarks/predicted_outputs.py --url http://127.0.0.1:8000/v1 --model qwen2.5-coder-1.5b-instruct \
-        --prompts benchmarks/prompts/codeedit.jsonl --skip 3 --limit 12 --label auto --out /tmp/predicted
+        --prompts benchmarks/prompts/codeedit.jsonl --skip 3 --limit 12 --label auto --out /tmp/predicted \
+        --predicted-first
 """
 from __future__ import annotations
 
@@ -42,13 +45,17 @@ def run(args) -> dict:
     for q in load_questions(args.prompts, limit=args.limit, skip=args.skip):
         if not q.prediction:
             continue
-        plain = ask(client, args.model, q.turns[0], args.max_tokens, None)
-        predicted = ask(client, args.model, q.turns[0], args.max_tokens, q.prediction)
+        if args.predicted_first:  # the predicted request meets no cache or store of its own question
+            predicted = ask(client, args.model, q.turns[0], args.max_tokens, q.prediction)
+            plain = ask(client, args.model, q.turns[0], args.max_tokens, None)
+        else:
+            plain = ask(client, args.model, q.turns[0], args.max_tokens, None)
+            predicted = ask(client, args.model, q.turns[0], args.max_tokens, q.prediction)
         rows.append({"question_id": q.question_id, "plain": plain, "predicted": predicted})
         print(f"[{args.label}] {q.question_id}: {plain['tokens'] / plain['seconds']:.1f} -> "
               f"{predicted['tokens'] / predicted['seconds']:.1f} tokens/s, accepted {predicted['accepted']}, "
               f"rejected {predicted['rejected']}, identical {plain['text'] == predicted['text']}", flush=True)
-    return {"label": args.label, "rows": rows}
+    return {"label": args.label, "rows": rows, "first": "predicted" if args.predicted_first else "plain"}
 
 
 def rate(rows: list[dict], key: str) -> float:
@@ -56,9 +63,11 @@ def rate(rows: list[dict], key: str) -> float:
 
 
 def table(runs: dict[str, dict]) -> str:
-    """One line per (server, with or without prediction); speedups over the first server's plain requests."""
-    first = next(iter(runs.values()))["rows"]
-    base = rate(first, "plain")
+    """One line per (server, with or without prediction); speedups over the first server's first request of each
+    question (its plain ones, or with --predicted-first its predicted ones: a server that ignores predictions,
+    ``ar``, then reads each prompt cold there, as the other server's predicted requests do)."""
+    first_run = next(iter(runs.values()))
+    base = rate(first_run["rows"], first_run.get("first", "plain"))
     lines = ["| server | prediction | tokens/s | speedup | accepted | rejected | identical |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for label, run_ in runs.items():
@@ -81,6 +90,9 @@ def main() -> int:
     p.add_argument("--limit", type=int)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--api-key", default="none")
+    p.add_argument("--predicted-first", action="store_true",
+                   help="send each question's predicted request before its plain one (the plain one then finds the "
+                        "prompt in the server's prefix cache and, with suffix decoding, the answer in its store)")
     p.add_argument("--label", required=True, help="this server's name in the table (e.g. its --method)")
     p.add_argument("--out", required=True, help="directory; runs of several servers accumulate there")
     args = p.parse_args()
