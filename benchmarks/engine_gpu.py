@@ -26,26 +26,11 @@ import time
 
 import torch
 import transformers
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer
+from verify_cost_gpu import SHAPES, TINY, build  # the same random-weight models (benchmarks/ is on sys.path)
 
 from hydraspec import SpeculativeGenerator
 from hydraspec.drafters import make_auto
-
-SHAPES = {
-    "qwen2.5-coder-1.5b-shape": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                     num_attention_heads=12, num_key_value_heads=2),
-    "qwen2.5-coder-0.5b-shape": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                     num_attention_heads=14, num_key_value_heads=2),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2),
-}
-
-
-def build(shape: str, device: str, dtype) -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
-                      **SHAPES[shape])
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
 def timed(gen, ids, new, prediction=None) -> dict:
@@ -75,7 +60,7 @@ def spoil(tokens: list[int], every: int) -> list[int]:
 
 
 def run_shape(shape: str, tok, device: str, dtype, new: int, prompt_len: int) -> dict:
-    model = build(shape, device, dtype)
+    model = build({**SHAPES, **TINY}[shape], 151936, dtype, torch.device(device), seed=0)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(10, 1000, (prompt_len,), generator=g).tolist()
     ar = SpeculativeGenerator(model, tok, None)

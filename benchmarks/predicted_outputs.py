@@ -45,12 +45,10 @@ def run(args) -> dict:
     for q in load_questions(args.prompts, limit=args.limit, skip=args.skip):
         if not q.prediction:
             continue
-        if args.predicted_first:  # the predicted request meets no cache or store of its own question
-            predicted = ask(client, args.model, q.turns[0], args.max_tokens, q.prediction)
-            plain = ask(client, args.model, q.turns[0], args.max_tokens, None)
-        else:
-            plain = ask(client, args.model, q.turns[0], args.max_tokens, None)
-            predicted = ask(client, args.model, q.turns[0], args.max_tokens, q.prediction)
+        order = ("predicted", "plain") if args.predicted_first else ("plain", "predicted")
+        got = {k: ask(client, args.model, q.turns[0], args.max_tokens, q.prediction if k == "predicted" else None)
+               for k in order}  # sent in this order: the first meets no cache or store of its own question
+        plain, predicted = got["plain"], got["predicted"]
         rows.append({"question_id": q.question_id, "plain": plain, "predicted": predicted})
         print(f"[{args.label}] {q.question_id}: {plain['tokens'] / plain['seconds']:.1f} -> "
               f"{predicted['tokens'] / predicted['seconds']:.1f} tokens/s, accepted {predicted['accepted']}, "
