@@ -298,3 +298,17 @@ def test_fuse_mlps_takes_silu_mlps_of_the_llama_kind_only():
     model = nn.ModuleList([Qwen2MLP(cfg), gelu, nn.Linear(2, 2)])
     assert mlp.fuse_mlps(model) == 1
     assert [type(m).__name__ for m in model] == ["FusedGatedMLP", "Qwen2MLP", "Linear"]
+
+
+def test_native_silu_times_up_takes_the_same_path_at_every_offset():
+    """An element's value does not depend on where it sits in the row: the AVX-512 build's 16-lane loop, the
+    8-lane loop after it and the scalar tail compute the same arithmetic."""
+    vals = (torch.randn(8, generator=torch.Generator().manual_seed(6)) * 6).bfloat16()
+    ups = torch.randn(8, generator=torch.Generator().manual_seed(7)).bfloat16()
+    for n in (8, 16, 24, 31, 40):  # the 8 values at offsets 0, 8, 16 ... n - 8, taking each loop
+        g, u = vals.repeat(n // 8 + 1)[:n].view(1, -1), ups.repeat(n // 8 + 1)[:n].view(1, -1)
+        out = silu_mul(g, u)[0]
+        for at in range(0, n - 7, 8):
+            assert torch.equal(out[at:at + 8], out[:8]), (n, at)
+    tail = silu_mul(vals.view(1, -1)[:, :7].clone(), ups.view(1, -1)[:, :7].clone())[0]  # scalar only
+    assert torch.equal(tail, silu_mul(vals.view(1, -1), ups.view(1, -1))[0][:7])

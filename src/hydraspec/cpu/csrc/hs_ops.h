@@ -544,6 +544,50 @@ static inline uint16_t silu_mul1(float x, float u) {
     return f2bf(bf2f(f2bf(x * sg)) * u);
 }
 
+#ifdef __AVX512F__
+/* exp_neg8 on 16 lanes: the same operations lane by lane */
+static inline __m512 exp_neg16(__m512 x) {
+    const __m512 lim = _mm512_set1_ps(-87.0f);
+    const __m512 xc = _mm512_max_ps(x, lim);
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f),
+                                                          _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lim, _CMP_GE_OQ);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+
+/* round_bf16_8 on 16 lanes */
+static inline __m512i round_bf16_16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i absu = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(absu, _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* 16 elements of hs_silu_mul_bf16's vector loop (the AVX-512 build): the same arithmetic lane by lane */
+static inline __m256i silu_mul16(const uint16_t* g, const uint16_t* u) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 x = ld16_bf16(g, 0);
+    const __m512 e = exp_neg16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sg = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
+    const __m512 sx = _mm512_castsi512_ps(round_bf16_16(_mm512_mul_ps(x, sg)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_16(_mm512_mul_ps(sx, ld16_bf16(u, 0))), 16));
+}
+#endif
+
 /* g, u: [n, I] bf16 rows at row strides gs, us (a joined gate/up output: u = g + I, gs = us = 2I)
    -> out [n, I] = bf(bf(silu(g)) * u), silu = x * (x >= 0 ? 1 : e) / (1 + e) with e = e^-|x| */
 int hs_silu_mul_bf16(const uint16_t* g, int64_t gs, const uint16_t* u, int64_t us, int64_t n, int64_t I,
@@ -558,6 +602,9 @@ int hs_silu_mul_bf16(const uint16_t* g, int64_t gs, const uint16_t* u, int64_t u
         uint16_t* o = out + r * I;
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
         int64_t i = lo;
+#ifdef __AVX512F__
+        for (; i + 16 <= hi; i += 16) _mm256_storeu_si256((__m256i*)(o + i), silu_mul16(gr + i, ur + i));
+#endif
         for (; i + 8 <= hi; i += 8) {
             const __m256 x = ld8_bf16(gr, i);
             const __m256 e = exp_neg8(_mm256_or_ps(x, sign)); /* e^-|x| */
