@@ -97,6 +97,23 @@ def test_wide_inputs_take_narrower_passes_and_rows_stay_independent(type_name):
             assert torch.equal(lin(x[:n]), alone[:n]), n
 
 
+@pytest.mark.parametrize("type_name", SUPPORTED)
+def test_a_prompts_rows_equal_each_row_alone(type_name):
+    """A prompt's many rows (several passes over each weight block; 6-bit codes then unpacked once a block)
+    give each row what it gives alone, bit for bit."""
+    import hydraspec.cpu.gguf as gw
+
+    if gw._gguf_lib() is None:
+        pytest.skip("no native GGUF kernel on this CPU")
+    lin = GGUFLinear(decode(type_name, random_tensor(type_name, 70, 512, seed=3), 70, 512), bias=torch.randn(70))
+    x = torch.randn(41, 512).bfloat16()
+    x[9] *= 40
+    with torch.no_grad():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
+        for n in (25, 37, 41):
+            assert torch.equal(lin(x[:n]), alone[:n]), n
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_outputs_do_not_depend_on_how_blocks_are_handed_to_threads(type_name):
     """Weight blocks handed to threads in fixed halves (static) or as each thread finishes (dynamic, the

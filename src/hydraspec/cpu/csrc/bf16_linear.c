@@ -344,5 +344,69 @@ static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0
     t[nr](c, q, b, j0);
 }
 
-/* hs_gguf_apply: x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16 */
-GGUF_ENTRIES(NBG, g_tile)
+/* Weight block b of a 4- or 6-bit call unpacked to the 8-bit layout ([in/4][32][4] codes, hs_gguf.h): the
+   codes the kernels above take from the packed bytes at every pass, taken once */
+VNNI static void unpack_block(const gguf_call* c, int64_t b, uint8_t* out) {
+    const int64_t in4 = c->in / 4;
+    const uint8_t* wb = c->wq + (size_t)(b * in4 * 64);
+    const uint8_t* hb = c->bits == 6 ? c->wh + (size_t)(b * in4 * 32) : NULL;
+    const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    for (int64_t p = 0; p < in4; p++) {
+        __m512i v = _mm512_loadu_si512(wb + p * 64);
+        __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+        if (hb) {
+            __m256i h = _mm256_loadu_si256((const __m256i*)(hb + p * 32));
+            __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+            w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top));
+            w1 = _mm512_or_si512(w1, _mm512_and_si512(hv, top));
+        }
+        _mm512_storeu_si512(out + p * 128, w0);
+        _mm512_storeu_si512(out + p * 128 + 64, w1);
+    }
+}
+
+/* A prompt's rows (more than two passes over each weight block) on a 4- or 6-bit weight: each thread unpacks a
+   block once into its own buffer and runs the 8-bit kernels of the same scale form over it, pass after pass.
+   The same integer sums and the same float steps as the packed kernels: the same outputs bit for bit. */
+static int run_gguf_unpacked(const uint16_t* xb, int64_t n, int64_t nb, const gguf_call* c, int nthreads) {
+    gguf_rows q;
+    if (make_gguf_rows(xb, n, c->in, c->G, nb, &q, nthreads)) return -1;
+    const int m = c->mn != NULL || c->dmin != NULL;
+    const gfn* t = m ? G81 : G80;
+    const int64_t nrb = (n + nb - 1) / nb, nblk = (c->out + OB - 1) / OB, in4 = c->in / 4;
+    int err = 0;
+    hs_schedule(nblk, nthreads);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t* buf = (uint8_t*)aligned_alloc(64, (size_t)(in4 * 128));
+        if (!buf) {
+            #pragma omp atomic write
+            err = 1;
+        }
+        #pragma omp for schedule(runtime)
+        for (int64_t b = 0; b < nblk; b++) {
+            if (!buf) continue;
+            unpack_block(c, b, buf);
+            gguf_call u = *c; /* block b's codes at buf, where the 8-bit kernels look for them */
+            u.bits = 8;
+            u.wq = (const uint8_t*)((uintptr_t)buf - (uintptr_t)(b * in4 * 128));
+            for (int64_t r = 0, first, nr; r < nrb; r++) {
+                row_block(n, nb, r, &first, &nr);
+                t[nr](&u, &q, b, first);
+            }
+        }
+        free(buf);
+    }
+    free_gguf_rows(&q);
+    return err ? -1 : 0;
+}
+
+/* hs_gguf_apply: x [n, in] bf16 times a GGUF-precision weight (hs_gguf.h) -> y [n, out] bf16; a prompt's rows
+   on a 6-bit weight by run_gguf_unpacked (4-bit weights are quicker packed: docs/cpu-kernels.md) */
+int hs_gguf_apply(const uint16_t* xb, int64_t n, const gguf_call* w, uint16_t* y, int nthreads) {
+    gguf_call c = *w;
+    c.y = y;
+    const int64_t nb = pass_rows(NBG, c.in);
+    if (c.bits == 6 && n > 2 * nb) return run_gguf_unpacked(xb, n, nb, &c, nthreads);
+    return run_gguf(xb, n, nb, &c, g_tile, nthreads);
+}
