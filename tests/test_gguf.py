@@ -84,33 +84,32 @@ def test_wide_inputs_take_narrower_passes_and_rows_stay_independent(type_name):
     """Weights with many inputs (an MLP's down projection) take fewer rows a pass (hs_gguf.h's pass_rows: 9
     rows of 8,960 inputs go as 5 + 4, of 512 inputs as one pass): each row still equals itself computed
     alone, for 1-16 rows."""
-    import hydraspec.cpu.gguf as gw
-
-    if gw._gguf_lib() is None:
-        pytest.skip("no native GGUF kernel on this CPU")
-    lin = GGUFLinear(decode(type_name, random_tensor(type_name, 40, 8960, seed=2), 40, 8960), bias=torch.randn(40))
     x = torch.randn(16, 8960).bfloat16()
     x[5] *= 30
-    with torch.no_grad():
-        alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
-        for n in range(2, len(x) + 1):
-            assert torch.equal(lin(x[:n]), alone[:n]), n
+    assert_rows_alone(type_name, 40, x, range(2, len(x) + 1), seed=2)
 
 
 @pytest.mark.parametrize("type_name", SUPPORTED)
 def test_a_prompts_rows_equal_each_row_alone(type_name):
     """A prompt's many rows (several passes over each weight block; 6-bit codes then unpacked once a block)
     give each row what it gives alone, bit for bit."""
+    x = torch.randn(41, 512).bfloat16()
+    x[9] *= 40
+    assert_rows_alone(type_name, 70, x, (25, 37, 41), seed=3)
+
+
+def assert_rows_alone(type_name: str, out: int, x: torch.Tensor, counts, seed: int) -> None:
+    """The first n rows of ``x`` through a random ``type_name`` weight (``out`` outputs) equal each row computed
+    alone, for every n of ``counts`` (native kernel only)."""
     import hydraspec.cpu.gguf as gw
 
     if gw._gguf_lib() is None:
         pytest.skip("no native GGUF kernel on this CPU")
-    lin = GGUFLinear(decode(type_name, random_tensor(type_name, 70, 512, seed=3), 70, 512), bias=torch.randn(70))
-    x = torch.randn(41, 512).bfloat16()
-    x[9] *= 40
+    inp = x.shape[1]
+    lin = GGUFLinear(decode(type_name, random_tensor(type_name, out, inp, seed=seed), out, inp), bias=torch.randn(out))
     with torch.no_grad():
         alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
-        for n in (25, 37, 41):
+        for n in counts:
             assert torch.equal(lin(x[:n]), alone[:n]), n
 
 
