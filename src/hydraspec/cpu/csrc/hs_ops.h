@@ -571,7 +571,8 @@ static inline __m512i round_bf16_16(__m512 v) {
 static inline __m256i silu_mul16(const uint16_t* g, const uint16_t* u) {
     const __m512 one = _mm512_set1_ps(1.0f);
     const __m512 x = ld16_bf16(g, 0);
-    const __m512 e = exp_neg16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512 e = exp_neg16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign))); /* e^-|x| */
     const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 sg = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
     const __m512 sx = _mm512_castsi512_ps(round_bf16_16(_mm512_mul_ps(x, sg)));
