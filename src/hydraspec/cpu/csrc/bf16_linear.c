@@ -218,20 +218,34 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
 #ifndef PF_AHEAD /* (scripts/prefetch_probe.py builds other distances) */
 #define PF_AHEAD 1024
 #endif
+/* Step p (4 inputs of 32 outputs) of a packed 4-bit weight block at wb, or 6-bit (six) with its top bits at hb,
+   as two vectors of codes: w0 for outputs 0-15, w1 for 16-31, four inputs to a 32-bit lane */
+static inline void unpack_step(const uint8_t* wb, const uint8_t* hb, int six, int64_t p, __m512i* w0, __m512i* w1) {
+    const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i v = _mm512_loadu_si512(wb + p * 64);
+    *w0 = _mm512_and_si512(v, lo);
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+    if (six) {
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(hb + p * 32));
+        const __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+        *w0 = _mm512_or_si512(*w0, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top));
+        *w1 = _mm512_or_si512(*w1, _mm512_and_si512(hv, top));
+    }
+}
+
 #define DEFW4(N) \
 VNNI static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4, const uint8_t* wb, \
                         const float* sb, const float* sx, uint16_t* y, int64_t out, int64_t o0, int64_t width, \
                         const float* bias) { \
     __m512 f0[N], f1[N]; \
-    const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30); \
     _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
     for (int64_t p0 = 0, g = 0; p0 < in4; p0 += g4, g++) { \
         __m512i a0[N], a1[N]; \
         _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
         for (int64_t p = p0; p < p0 + g4; p++) { \
             _mm_prefetch((const char*)(wb + p * 64 + PF_AHEAD), _MM_HINT_T0); \
-            __m512i v = _mm512_loadu_si512(wb + p * 64); \
-            __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo); \
+            __m512i w0, w1; \
+            unpack_step(wb, NULL, 0, p, &w0, &w1); \
             _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
                 DPBUSD(a0[j], w0, xv); DPBUSD(a1[j], w1, xv); } \
         } \
@@ -278,7 +292,6 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
     int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
     GGUF_BLOCK_PTRS(B, M) \
     __m512 d0 = _mm512_setzero_ps(), d1 = d0, dm0 = d0, dm1 = d0; \
-    const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30); \
     __m512 f0[N], f1[N]; \
     _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
     for (int64_t g = 0; g < ng; g++) { \
@@ -289,12 +302,7 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
             _mm_prefetch((const char*)(wb + p * (B == 8 ? 128 : 64) + PF_AHEAD), _MM_HINT_T0); \
             if (B == 8) _mm_prefetch((const char*)(wb + p * 128 + 64 + PF_AHEAD), _MM_HINT_T0); \
             if (B == 6 && (p & 1) == 0) _mm_prefetch((const char*)(hb + p * 32 + PF_AHEAD / 2), _MM_HINT_T0); \
-            if (B != 8) { __m512i v = _mm512_loadu_si512(wb + p * 64); \
-                w0 = _mm512_and_si512(v, lo); w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo); \
-                if (B == 6) { __m256i h = _mm256_loadu_si256((const __m256i*)(hb + p * 32)); \
-                    __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1); \
-                    w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top)); \
-                    w1 = _mm512_or_si512(w1, _mm512_and_si512(hv, top)); } } \
+            if (B != 8) unpack_step(wb, hb, B == 6, p, &w0, &w1); \
             else { w0 = _mm512_loadu_si512(wb + p * 128); w1 = _mm512_loadu_si512(wb + p * 128 + 64); } \
             _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
                 DPBUSD(a0[j], w0, xv); DPBUSD(a1[j], w1, xv); } \
@@ -346,20 +354,13 @@ static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0
 
 /* Weight block b of a 4- or 6-bit call unpacked to the 8-bit layout ([in/4][32][4] codes, hs_gguf.h): the
    codes the kernels above take from the packed bytes at every pass, taken once */
-VNNI static void unpack_block(const gguf_call* c, int64_t b, uint8_t* out) {
+static void unpack_block(const gguf_call* c, int64_t b, uint8_t* out) {
     const int64_t in4 = c->in / 4;
     const uint8_t* wb = c->wq + (size_t)(b * in4 * 64);
     const uint8_t* hb = c->bits == 6 ? c->wh + (size_t)(b * in4 * 32) : NULL;
-    const __m512i lo = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
     for (int64_t p = 0; p < in4; p++) {
-        __m512i v = _mm512_loadu_si512(wb + p * 64);
-        __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
-        if (hb) {
-            __m256i h = _mm256_loadu_si256((const __m256i*)(hb + p * 32));
-            __m512i hv = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
-            w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(hv, 4), top));
-            w1 = _mm512_or_si512(w1, _mm512_and_si512(hv, top));
-        }
+        __m512i w0, w1;
+        unpack_step(wb, hb, c->bits == 6, p, &w0, &w1);
         _mm512_storeu_si512(out + p * 128, w0);
         _mm512_storeu_si512(out + p * 128 + 64, w1);
     }

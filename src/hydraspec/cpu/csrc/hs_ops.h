@@ -37,19 +37,30 @@
 static inline float ld_f32(const void* p, int64_t i) { return ((const float*)p)[i]; }
 static inline float ld_bf16(const void* p, int64_t i) { return bf2f(((const uint16_t*)p)[i]); }
 
+/* hs_exp_neg's constants, shared by its scalar, 8-lane and 16-lane forms: ln 2 split in two, the polynomial */
+#define HS_LOG2E 1.44269504088896341f
+#define HS_LN2_HI 0.693359375f
+#define HS_LN2_LO 2.12194440e-4f
+#define HS_EXP_P0 1.9875691500e-4f
+#define HS_EXP_P1 1.3981999507e-3f
+#define HS_EXP_P2 8.3334519073e-3f
+#define HS_EXP_P3 4.1665795894e-2f
+#define HS_EXP_P4 1.6666665459e-1f
+#define HS_EXP_P5 5.0000001201e-1f
+
 /* e^x for x <= 0 (softmax after subtracting the row maximum): 2^n * p(r), r = x - n ln2 in
    [-ln2/2, ln2/2], with the Cephes single-precision polynomial (relative error ~1e-7). Branch-free so
    that loops over it vectorise; x below -87 gives 0. */
 static inline float hs_exp_neg(float x) {
     float xc = x < -87.0f ? -87.0f : x;
-    float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float n = floorf(xc * HS_LOG2E + 0.5f);
+    float r = xc - n * HS_LN2_HI + n * HS_LN2_LO;
+    float p = HS_EXP_P0;
+    p = p * r + HS_EXP_P1;
+    p = p * r + HS_EXP_P2;
+    p = p * r + HS_EXP_P3;
+    p = p * r + HS_EXP_P4;
+    p = p * r + HS_EXP_P5;
     p = p * r * r + r + 1.0f;
     int32_t e = ((int32_t)n + 127) << 23;
     float s; memcpy(&s, &e, 4);
@@ -103,14 +114,14 @@ static inline float lane_sum(__m256 a) {
 static inline __m256 exp_neg8(__m256 x) {
     const __m256 lim = _mm256_set1_ps(-87.0f);
     const __m256 xc = _mm256_max_ps(x, lim);
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(HS_LOG2E), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(HS_LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(HS_LN2_HI), xc));
+    __m256 p = _mm256_set1_ps(HS_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P5));
     p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, lim, _CMP_GE_OQ));
@@ -540,16 +551,16 @@ static inline uint16_t silu_mul1(float x, float u) {
 static inline __m512 exp_neg16(__m512 x) {
     const __m512 lim = _mm512_set1_ps(-87.0f);
     const __m512 xc = _mm512_max_ps(x, lim);
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f),
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(HS_LOG2E),
                                                           _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(HS_LN2_LO),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(HS_LN2_HI), xc));
+    __m512 p = _mm512_set1_ps(HS_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P5));
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     const __mmask16 keep = _mm512_cmp_ps_mask(x, lim, _CMP_GE_OQ);
