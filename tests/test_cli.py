@@ -68,7 +68,7 @@ def test_the_command_line_builds_the_drafter_a_method_names(method, kind):
     assert type(build_drafter(args, None)) is kind
 
 
-def test_suffix_decoding_of_the_offline_qwen_model_can_draft_from_its_shipped_store(tmp_path):
+def test_suffix_decoding_of_the_offline_qwen_model_drafts_from_its_shipped_store_by_default(tmp_path):
     import numpy as np
 
     from hydraspec.errors import HydraspecError
@@ -78,7 +78,9 @@ def test_suffix_decoding_of_the_offline_qwen_model_can_draft_from_its_shipped_st
     with np.load(shipped_suffix_store("qwen2.5-coder-1.5b-instruct")) as f:
         meta = json.loads(str(f["meta"]))
     assert len(store) == meta["answers"] and sum(map(len, store)) == meta["tokens"] > 10_000
-    assert suffix_store_for(SimpleNamespace(model="qwen2.5-coder-1.5b-instruct", suffix_store=None)) is None
+    assert suffix_store_for(SimpleNamespace(model="qwen2.5-coder-1.5b-instruct", suffix_store=None)) is store
+    assert suffix_store_for(SimpleNamespace(model="qwen2.5-coder-1.5b-instruct", suffix_store="none")) is None
+    assert suffix_store_for(SimpleNamespace(model="some-dir", suffix_store=None)) is None
     assert suffix_store_for(SimpleNamespace(model="some-dir", suffix_store="shipped")) is None
     (tmp_path / "bad.npz").write_text("not a store")
     with pytest.raises(HydraspecError, match="cannot read suffix store"):

@@ -142,8 +142,8 @@ ACCEPTOR_CHOICES = ("auto", "greedy", "lossless", "typical")
 def add_suffix_store_arg(p) -> None:
     p.add_argument("--suffix-store", metavar="FILE",
                    help="answers suffix decoding (suffix, auto) also drafts from in every process: an .npz from "
-                        "scripts/build_suffix_store.py, or 'shipped' for the store shipped with an offline model "
-                        "(default: none; it helps everyday prompts and slows a run of like requests, BENCHMARKS.md)")
+                        "scripts/build_suffix_store.py, 'shipped' for the store shipped with an offline model, or "
+                        "'none' (default: the shipped store where the model has one, BENCHMARKS.md)")
 
 
 def resolve_heads_arg(args) -> None:
@@ -169,12 +169,12 @@ def resolve_heads_arg(args) -> None:
 
 def suffix_store_for(args) -> list[list[int]] | None:
     """The answers of --suffix-store (hydraspec.drafters.suffix.load_store): a file, 'shipped' (the store shipped
-    for ``args``' offline model, if any), or None (the default)."""
+    for ``args``' offline model, if any; also when unset), or None ('none')."""
     path = getattr(args, "suffix_store", None)
-    if path in (None, "none"):
+    if path == "none":
         return None
-    if path == "shipped":
-        path = shipped_suffix_store(args.model)
+    if path in (None, "shipped"):
+        path = shipped_suffix_store(getattr(args, "model", ""))
     return None if path is None else read_store(str(path))
 
 
