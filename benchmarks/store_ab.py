@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Suffix stores against each other in one process: plain decoding and ``auto`` with the shipped head, once without a
+store and once per store given, alternating which goes first prompt by prompt (the machine's speed drifts within the
+hour, so only such alternation decides). Every answer must equal plain decoding's. Prints seconds, speedup over
+plain decoding and tokens per target forward for each.
+
+    python benchmarks/store_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --stores shipped
+    python benchmarks/store_ab.py --prompts benchmarks/prompts/sharegpt.jsonl --skip 40 --limit 26 \\
+        --stores shipped other.npz
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from hydraspec import SpeculativeGenerator, make_drafter
+from hydraspec.drafters import auto_heads, make_auto
+from hydraspec.drafters.suffix import load_store
+from hydraspec.heads import load_heads
+from hydraspec.models import load_model, shipped_heads, shipped_suffix_store
+from hydraspec.models.compile import compile_models
+
+MODEL = "qwen2.5-coder-1.5b-instruct"
+
+
+def questions(path: str, skip: int, limit: int) -> list[str]:
+    """First turns of questions ``skip`` .. ``skip + limit - 1`` of each category, category by category."""
+    by: dict[str, list[str]] = {}
+    for line in open(path, encoding="utf-8"):
+        q = json.loads(line)
+        by.setdefault(q["category"], []).append(q["turns"][0])
+    return [t for turns in by.values() for t in turns[skip:skip + limit]]
+
+
+def drafters(target, stores: list[str]) -> dict:
+    """'ar', 'no store' and one ``auto`` per store (each with its own head, so that none shares another's state)."""
+    def auto(store):
+        heads, cfg = load_heads(str(shipped_heads(MODEL)), target, base_model=MODEL, drafting=True)
+        return make_auto(target, auto_heads(heads, cfg, target.get_input_embeddings()), store=store)
+
+    out = {"ar": make_drafter("ar"), "no store": auto(None)}
+    for name in stores:
+        out[name] = auto(load_store(shipped_suffix_store(MODEL) if name == "shipped" else name))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=2, help="questions of each category")
+    ap.add_argument("--stores", nargs="+", default=["shipped"], help="'shipped' or .npz files")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    target, tok = load_model(MODEL, quant="auto")
+    compile_models(target, how="auto", hidden=True)
+    gens = {k: SpeculativeGenerator(target, tok, d) for k, d in drafters(target, a.stores).items()}
+    for g in gens.values():
+        g.generate([{"role": "user", "content": "Say hi."}], max_new_tokens=8)
+    tally = {k: [0.0, 0, 0] for k in gens}  # seconds, new tokens, target forwards
+    for i, text in enumerate(questions(a.prompts, a.skip, a.limit)):
+        answers = set()
+        for k in (list(gens) if i % 2 == 0 else list(gens)[::-1]):
+            t0 = time.perf_counter()
+            res = gens[k].generate([{"role": "user", "content": text}], max_new_tokens=a.max_new_tokens)
+            tally[k][0] += time.perf_counter() - t0
+            tally[k][1] += res.stats.new_tokens
+            tally[k][2] += res.stats.target_forwards
+            answers.add(tuple(res.token_ids))
+        if len(answers) != 1:
+            raise SystemExit(f"question {i}: the answers differ")
+        print(i, {k: round(v[0], 1) for k, v in tally.items()}, flush=True)
+    for k, (s, n, f) in tally.items():
+        print(f"{k}: {s:.2f} s, {tally['ar'][0] / s:.3f}x ar, {n / f:.3f} tokens a forward")
+
+
+if __name__ == "__main__":
+    main()
