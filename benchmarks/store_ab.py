@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Suffix stores against each other in one process: plain decoding and ``auto`` with the shipped head, once without a
-store and once per store given, alternating which goes first prompt by prompt (the machine's speed drifts within the
-hour, so only such alternation decides). Every answer must equal plain decoding's. Prints seconds, speedup over
-plain decoding and tokens per target forward for each.
+"""Suffix stores against each other in one process: plain decoding and ``auto`` with the shipped head (or without one:
+``--no-head``), once without a store and once per store given, alternating which goes first prompt by prompt (the
+machine's speed drifts within the hour, so only such alternation decides). Every answer must equal plain decoding's.
+Prints seconds, speedup over plain decoding and tokens per target forward for each.
 
     python benchmarks/store_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --stores shipped
     python benchmarks/store_ab.py --prompts benchmarks/prompts/sharegpt.jsonl --skip 40 --limit 26 \\
@@ -35,9 +35,12 @@ def questions(path: str, skip: int, limit: int) -> list[str]:
     return [t for turns in by.values() for t in turns[skip:skip + limit]]
 
 
-def drafters(target, stores: list[str]) -> dict:
-    """'ar', 'no store' and one ``auto`` per store (each with its own head, so that none shares another's state)."""
+def drafters(target, stores: list[str], head: bool = True) -> dict:
+    """'ar', 'no store' and one ``auto`` per store (each with its own head, so that none shares another's state;
+    ``head``: False for none, as `hydraspec serve` runs by default)."""
     def auto(store):
+        if not head:
+            return make_auto(target, store=store)
         heads, cfg = load_heads(str(shipped_heads(MODEL)), target, base_model=MODEL, drafting=True)
         return make_auto(target, auto_heads(heads, cfg, target.get_input_embeddings()), store=store)
 
@@ -54,11 +57,12 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=2, help="questions of each category")
     ap.add_argument("--stores", nargs="+", default=["shipped"], help="'shipped' or .npz files")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--no-head", action="store_true", help="auto without the shipped head")
     a = ap.parse_args()
     torch.set_num_threads(2)
     target, tok = load_model(MODEL, quant="auto")
     compile_models(target, how="auto", hidden=True)
-    gens = {k: SpeculativeGenerator(target, tok, d) for k, d in drafters(target, a.stores).items()}
+    gens = {k: SpeculativeGenerator(target, tok, d) for k, d in drafters(target, a.stores, not a.no_head).items()}
     for g in gens.values():
         g.generate([{"role": "user", "content": "Say hi."}], max_new_tokens=8)
     tally = {k: [0.0, 0, 0] for k in gens}  # seconds, new tokens, target forwards
