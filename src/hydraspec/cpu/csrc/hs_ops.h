@@ -47,6 +47,12 @@ static inline float ld_bf16(const void* p, int64_t i) { return bf2f(((const uint
 #define HS_EXP_P3 4.1665795894e-2f
 #define HS_EXP_P4 1.6666665459e-1f
 #define HS_EXP_P5 5.0000001201e-1f
+/* the polynomial's Horner steps on p (holding HS_EXP_P0) in a vector form: K(c) broadcasts c, FMA(a, b, c) is a*b+c */
+#define HS_EXP_HORNER(p, r, K, FMA)                                                                      \
+    do {                                                                                                 \
+        p = FMA(p, r, K(HS_EXP_P1)); p = FMA(p, r, K(HS_EXP_P2)); p = FMA(p, r, K(HS_EXP_P3));           \
+        p = FMA(p, r, K(HS_EXP_P4)); p = FMA(p, r, K(HS_EXP_P5));                                        \
+    } while (0)
 
 /* e^x for x <= 0 (softmax after subtracting the row maximum): 2^n * p(r), r = x - n ln2 in
    [-ln2/2, ln2/2], with the Cephes single-precision polynomial (relative error ~1e-7). Branch-free so
@@ -117,11 +123,7 @@ static inline __m256 exp_neg8(__m256 x) {
     const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(HS_LOG2E), _mm256_set1_ps(0.5f)));
     const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(HS_LN2_LO), _mm256_fnmadd_ps(n, _mm256_set1_ps(HS_LN2_HI), xc));
     __m256 p = _mm256_set1_ps(HS_EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(HS_EXP_P5));
+    HS_EXP_HORNER(p, r, _mm256_set1_ps, _mm256_fmadd_ps);
     p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, lim, _CMP_GE_OQ));
@@ -556,11 +558,7 @@ static inline __m512 exp_neg16(__m512 x) {
     const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(HS_LN2_LO),
                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(HS_LN2_HI), xc));
     __m512 p = _mm512_set1_ps(HS_EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(HS_EXP_P5));
+    HS_EXP_HORNER(p, r, _mm512_set1_ps, _mm512_fmadd_ps);
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     const __mmask16 keep = _mm512_cmp_ps_mask(x, lim, _CMP_GE_OQ);
