@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Suffix stores against each other in one process: plain decoding and ``auto`` with the shipped head (or without one:
 ``--no-head``), once without a store and once per store given, alternating which goes first prompt by prompt (the
-machine's speed drifts within the hour, so only such alternation decides). Every answer must equal plain decoding's.
+machine's speed drifts within the hour, so only such alternation decides). With ``--head-ab``: plain decoding and
+``auto`` with the first store given, once with the head and once without. Every answer must equal plain decoding's.
 Prints seconds, speedup over plain decoding and tokens per target forward for each.
 
     python benchmarks/store_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --stores shipped
     python benchmarks/store_ab.py --prompts benchmarks/prompts/sharegpt.jsonl --skip 40 --limit 26 \\
         --stores shipped other.npz
+    python benchmarks/store_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --head-ab
 """
 from __future__ import annotations
 
@@ -50,6 +52,12 @@ def drafters(target, stores: list[str], head: bool = True) -> dict:
     return out
 
 
+def head_ab(target, store: str) -> dict:
+    """'ar', and ``auto`` with ``store`` (as :func:`drafters` names it) with the shipped head and without one."""
+    with_head, without = drafters(target, [store], True), drafters(target, [store], False)
+    return {"ar": with_head["ar"], "head": with_head[store], "no head": without[store]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", required=True)
@@ -58,11 +66,13 @@ def main() -> None:
     ap.add_argument("--stores", nargs="+", default=["shipped"], help="'shipped' or .npz files")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-head", action="store_true", help="auto without the shipped head")
+    ap.add_argument("--head-ab", action="store_true", help="auto with the first store, with and without the head")
     a = ap.parse_args()
     torch.set_num_threads(2)
     target, tok = load_model(MODEL, quant="auto")
     compile_models(target, how="auto", hidden=True)
-    gens = {k: SpeculativeGenerator(target, tok, d) for k, d in drafters(target, a.stores, not a.no_head).items()}
+    made = head_ab(target, a.stores[0]) if a.head_ab else drafters(target, a.stores, not a.no_head)
+    gens = {k: SpeculativeGenerator(target, tok, d) for k, d in made.items()}
     for g in gens.values():
         g.generate([{"role": "user", "content": "Say hi."}], max_new_tokens=8)
     tally = {k: [0.0, 0, 0] for k in gens}  # seconds, new tokens, target forwards
