@@ -13,12 +13,12 @@ Prints seconds, speedup over plain decoding and tokens per target forward for ea
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from hydraspec import SpeculativeGenerator, make_drafter
+from hydraspec.bench.prompts import load_questions
 from hydraspec.drafters import auto_heads, make_auto
 from hydraspec.drafters.suffix import load_store
 from hydraspec.heads import load_heads
@@ -30,32 +30,30 @@ MODEL = "qwen2.5-coder-1.5b-instruct"
 
 def questions(path: str, skip: int, limit: int) -> list[str]:
     """First turns of questions ``skip`` .. ``skip + limit - 1`` of each category, category by category."""
-    by: dict[str, list[str]] = {}
-    for line in open(path, encoding="utf-8"):
-        q = json.loads(line)
-        by.setdefault(q["category"], []).append(q["turns"][0])
-    return [t for turns in by.values() for t in turns[skip:skip + limit]]
+    qs = load_questions([path], limit=limit, skip=skip)
+    order = list(dict.fromkeys(q.category for q in qs))
+    return [q.turns[0] for q in sorted(qs, key=lambda q: order.index(q.category))]
+
+
+def auto(target, store: str | None, head: bool = True):
+    """``auto`` with ``store`` ('shipped', an .npz file or None) and its own copy of the shipped head (none shares
+    another's state; ``head``: False for none, as `hydraspec serve` runs by default)."""
+    answers = None if store is None else load_store(shipped_suffix_store(MODEL) if store == "shipped" else store)
+    if not head:
+        return make_auto(target, store=answers)
+    heads, cfg = load_heads(str(shipped_heads(MODEL)), target, base_model=MODEL, drafting=True)
+    return make_auto(target, auto_heads(heads, cfg, target.get_input_embeddings()), store=answers)
 
 
 def drafters(target, stores: list[str], head: bool = True) -> dict:
-    """'ar', 'no store' and one ``auto`` per store (each with its own head, so that none shares another's state;
-    ``head``: False for none, as `hydraspec serve` runs by default)."""
-    def auto(store):
-        if not head:
-            return make_auto(target, store=store)
-        heads, cfg = load_heads(str(shipped_heads(MODEL)), target, base_model=MODEL, drafting=True)
-        return make_auto(target, auto_heads(heads, cfg, target.get_input_embeddings()), store=store)
-
-    out = {"ar": make_drafter("ar"), "no store": auto(None)}
-    for name in stores:
-        out[name] = auto(load_store(shipped_suffix_store(MODEL) if name == "shipped" else name))
-    return out
+    """'ar', 'no store' and one ``auto`` per store."""
+    return {"ar": make_drafter("ar"), "no store": auto(target, None, head),
+            **{name: auto(target, name, head) for name in stores}}
 
 
 def head_ab(target, store: str) -> dict:
-    """'ar', and ``auto`` with ``store`` (as :func:`drafters` names it) with the shipped head and without one."""
-    with_head, without = drafters(target, [store], True), drafters(target, [store], False)
-    return {"ar": with_head["ar"], "head": with_head[store], "no head": without[store]}
+    """'ar', and ``auto`` with ``store`` with the shipped head and without one."""
+    return {"ar": make_drafter("ar"), "head": auto(target, store), "no head": auto(target, store, False)}
 
 
 def main() -> None:
