@@ -11,6 +11,7 @@ from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load, stat_key
 from hydraspec.drafters.base import DecodeState, Drafter, Verdict
 from hydraspec.drafters.prediction import PredictionDrafter
 from hydraspec.drafters.prompt_lookup import NgramIndex, lookup
+from hydraspec.drafters.frozen_trie import FrozenTrie
 from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, load_store, speculate
 from hydraspec.engine import Engine, Request
 from hydraspec.sampling import Sampling
@@ -120,6 +121,27 @@ def test_suffix_tries_add_nothing_for_the_garbage_collector_to_walk():
         active = trie.extend(active, t % 97)
     assert len(trie.count) > 700
     assert not any(gc.is_tracked(k) for k in trie.kids)
+
+
+@pytest.mark.parametrize("depth,vocab", [(2, 2), (3, 5), (8, 20), (8, 3)])
+def test_a_frozen_store_trie_drafts_what_the_dict_trie_drafts(depth, vocab):
+    """The store's flat-array trie has the dict trie's nodes, counts and child order: every match and every
+    tree (and chain) grown from it are the same, and so is its node count."""
+    g = torch.Generator().manual_seed(depth * 10 + vocab)
+    seqs = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in torch.randint(0, 40, (9,), generator=g)]
+    grown, frozen = SuffixTrie(depth), FrozenTrie(seqs, depth)
+    for s in seqs:
+        grown.add(s)
+    assert len(frozen) == len(grown.count) and frozen.tokens == grown.tokens
+    found = 0
+    for _ in range(40):
+        ctx = torch.randint(0, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        assert [m for _, m in frozen.each_match(ctx)] == [m for _, m in grown.each_match(ctx)]
+        for (a, m), (b, _) in zip(frozen.each_match(ctx), grown.each_match(ctx)):
+            for chain in (False, True):
+                assert speculate(frozen, a, 8, 0.05, chain) == speculate(grown, b, 8, 0.05, chain)
+            found += 1
+    assert found > 20
 
 
 def test_shared_answers_stay_within_their_token_bound():

@@ -25,6 +25,7 @@ import torch
 
 from ..tree import DraftTree
 from .base import DecodeState, Drafter, RowStates, Verdict
+from .frozen_trie import FrozenTrie
 
 
 class SuffixTrie:
@@ -112,6 +113,14 @@ class SuffixTrie:
             if node is not None and self.kids[node]:
                 yield node, m
 
+    def ranked(self, node: int) -> list[tuple[int, int]]:
+        """(token, child) pairs by count, most frequent first, ties in the order they were made."""
+        return sorted(self.kids[node].items(), key=lambda kv: -self.count[kv[1]])
+
+    def total(self, node: int) -> int:
+        """The sum of the counts of ``node``'s children."""
+        return sum(self.count[k] for k in self.kids[node].values())
+
     def matches_open(self, active: list[int]) -> list[tuple[int, int]]:
         """:meth:`matches` for the sequence this trie holds whole, from its open suffixes (as :meth:`extend`
         returns them, longest first), without walking from the root."""
@@ -130,7 +139,8 @@ class Speculation:
         return sum(self.probs)
 
 
-def speculate(trie: SuffixTrie, node: int, budget: int, min_prob: float, chain_only: bool = False) -> Speculation:
+def speculate(trie: SuffixTrie | FrozenTrie, node: int, budget: int, min_prob: float,
+              chain_only: bool = False) -> Speculation:
     """A tree of at most ``budget`` nodes below ``node`` of ``trie``, grown best first by path probability (a
     child's count over the sum of its siblings' counts, times its parent's), nodes below ``min_prob`` left out;
     BFS order. ``chain_only``: the most probable path."""
@@ -140,9 +150,8 @@ def speculate(trie: SuffixTrie, node: int, budget: int, min_prob: float, chain_o
     while heap and len(made) < budget:
         neg, _, _, cur = heapq.heappop(heap)
         idx = len(made) - 1
-        total = sum(trie.count[k] for k in trie.kids[cur].values())
-        kids = sorted(trie.kids[cur].items(), key=lambda kv: -trie.count[kv[1]])[: 1 if chain_only else None]
-        for t, kid in kids:
+        total = trie.total(cur)
+        for t, kid in trie.ranked(cur):
             p = -neg * trie.count[kid] / total
             if p < min_prob:
                 break
@@ -199,19 +208,17 @@ class SharedAnswers:
             self.trie.remove(old)
 
 
-_STORE_TRIES: dict[int, tuple[list[list[int]], SuffixTrie]] = {}  # id -> (the store, its trie)
+_STORE_TRIES: dict[int, tuple[list[list[int]], FrozenTrie]] = {}  # id -> (the store, its trie)
 
 
-def store_trie(store: list[list[int]]) -> SuffixTrie:
+def store_trie(store: list[list[int]]) -> FrozenTrie:
     """A store of answers as a trie of its own, beside the shared one: its counts would dilute the path
     probabilities that the process's own earlier answers give (BENCHMARKS.md: a run of like requests). Built
-    once per store object in a process and shared by every drafter given it: the trie is only read."""
+    once per store object in a process and shared by every drafter given it: the trie is only read, so it is
+    a :class:`FrozenTrie` (flat arrays: far less memory than dicts, BENCHMARKS.md)."""
     kept = _STORE_TRIES.get(id(store))
     if kept is None or kept[0] is not store:
-        trie = SuffixTrie(STORE_DEPTH)
-        for seq in store:
-            trie.add(seq)
-        kept = _STORE_TRIES[id(store)] = (store, trie)
+        kept = _STORE_TRIES[id(store)] = (store, FrozenTrie(store, STORE_DEPTH))
     return kept[1]
 
 

@@ -1,0 +1,112 @@
+"""A read-only suffix trie in flat integer arrays, for a store of answers kept for good (suffix decoding,
+arXiv 2411.04975): the same nodes, counts and child order as :class:`hydraspec.drafters.suffix.SuffixTrie`
+built by adding the same answers in order, in a few integers a node instead of a dict per node.
+
+Built at once from the answers' windows (every position's next ``depth`` tokens within its answer) sorted
+lexicographically: a node is a distinct window prefix, its count how many windows share the prefix. Nodes are
+numbered level by level in sorted order, so each node's children are one contiguous run of ids, sorted by
+token (looked up by bisection) and ranked for drafting by count, ties by first occurrence (the dict trie's
+insertion order): drafts from either trie are the same.
+"""
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+
+import numpy as np
+
+__all__ = ["FrozenTrie"]
+
+
+def _windows(seqs: list[list[int]], depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """[positions, depth] windows (-1 past an answer's end) and each window's position in the joined answers."""
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]) if len(seqs) else np.zeros(0, np.int64)
+    ends = np.repeat(np.cumsum(lengths), lengths)
+    pos = np.arange(len(tokens))
+    idx = pos[:, None] + np.arange(depth)[None]
+    win = np.where(idx < ends[:, None], tokens[np.minimum(idx, max(len(tokens) - 1, 0))], -1)
+    return win, pos
+
+
+class FrozenTrie:
+    """Every suffix of ``seqs`` cut to ``depth`` tokens (see the module docstring); read with
+    :meth:`each_match` and :meth:`ranked`, as the drafter reads a :class:`SuffixTrie`."""
+
+    ROOT = 0
+
+    def __init__(self, seqs: list[list[int]], depth: int):
+        self.depth = depth
+        win, pos = _windows([s for s in seqs if s], depth)
+        order = np.lexsort([pos] + [win[:, k] for k in range(depth - 1, -1, -1)])
+        win, pos = win[order], pos[order]
+        # the first column where each window differs from the one before it (depth where equal)
+        differs = np.ones((len(win), depth), dtype=bool)
+        differs[1:] = win[1:] != win[:-1]
+        first_diff = np.where(differs.any(1), differs.argmax(1), depth)
+        tok, count, first, starts = [np.zeros(1, np.int64)], [np.array([len(win)])], [np.zeros(1, np.int64)], []
+        rows_above = np.zeros(1, np.int64)  # the first window row of each node one level up (the root: row 0)
+        for k in range(depth):
+            group = np.flatnonzero(first_diff <= k)  # windows that start a new prefix of length k + 1
+            real = group[win[group, k] >= 0]  # ... that are nodes (not windows ended before k + 1 tokens)
+            sizes = np.diff(np.append(group, len(win)))
+            tok.append(win[real, k])
+            count.append(sizes[np.searchsorted(group, real)])
+            first.append(np.minimum.reduceat(pos, group)[np.searchsorted(group, real)] if len(group) else real)
+            starts.append(np.searchsorted(real, rows_above))
+            rows_above = real
+        starts.append(np.zeros(len(rows_above), np.int64))
+        base = np.cumsum([0] + [len(t) for t in tok])
+        start = np.concatenate([s + base[k + 1] for k, s in enumerate(starts)] + [base[-1:]])
+        self.tok, self.count = array("i", np.concatenate(tok).tolist()), array("i", np.concatenate(count).tolist())
+        self.first = array("i", np.concatenate(first).tolist())
+        self.start = array("i", start.tolist())  # node n's children: ids start[n] .. start[n + 1] - 1
+        self._rank_children(start)
+        self.tokens = int(sum(len(s) for s in seqs))
+
+    def _rank_children(self, start: np.ndarray) -> None:
+        """``order``: each node's children as :meth:`ranked` orders them, in the node's run of ids;
+        ``totals``: the sum of each node's children's counts."""
+        count, first = np.frombuffer(self.count, np.int32), np.frombuffer(self.first, np.int32)
+        parent = np.repeat(np.arange(len(start) - 1), np.diff(start))  # the parent of nodes 1 .. n - 1
+        order = np.lexsort([first[1:], -count[1:], parent]) + 1
+        self.order = array("i", [0] + order.tolist())
+        total = np.zeros(len(count), np.int64)
+        np.add.at(total, parent, count[1:])
+        self.totals = array("q", total.tolist())
+
+    def __len__(self) -> int:
+        return len(self.count)
+
+    def child(self, node: int, token: int) -> int | None:
+        lo, hi = self.start[node], self.start[node + 1]
+        i = bisect_left(self.tok, token, lo, hi)
+        return i if i < hi and self.tok[i] == token else None
+
+    def has_children(self, node: int) -> bool:
+        return self.start[node + 1] > self.start[node]
+
+    def total(self, node: int) -> int:
+        """The sum of the counts of ``node``'s children."""
+        return self.totals[node]
+
+    def ranked(self, node: int):
+        """(token, child) pairs by count, most frequent first, ties in order of first occurrence."""
+        tok = self.tok
+        for k in self.order[self.start[node]:self.start[node + 1]]:
+            yield tok[k], k
+
+    def each_match(self, context: list[int]):
+        """The nodes of the suffixes of ``context`` (at most depth - 1 tokens) with a continuation, with their
+        lengths, longest first, each walked from the root only when asked for."""
+        for m in range(min(self.depth - 1, len(context)), 0, -1):
+            node = self.ROOT
+            for t in context[len(context) - m:]:
+                node = self.child(node, t)
+                if node is None:
+                    break
+            if node is not None and self.has_children(node):
+                yield node, m
+
+    def matches(self, context: list[int]) -> list[tuple[int, int]]:
+        return list(self.each_match(context))
