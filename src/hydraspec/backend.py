@@ -15,7 +15,7 @@ from .cpu.ops import rotary_at
 
 __all__ = ["causal_mask", "rotary_at", "prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops",
            "int8_per_row", "W4_GROUPS", "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id",
-           "cpu_model", "huge_pages", "compile_steps"]
+           "cpu_model", "huge_pages", "compile_steps", "release_free_memory"]
 
 
 def prepack(module: nn.Module) -> int:
@@ -67,6 +67,11 @@ def eager_forward(model: nn.Module):
 
 
 W4_GROUPS = quantized.W4_GROUPS  # inputs per scale of the 4-bit draft kernels, first fit first
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (after a build that left many freed temporaries)."""
+    kernels.release_free_memory()
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,12 +21,56 @@ __all__ = ["FrozenTrie"]
 def _windows(seqs: list[list[int]], depth: int) -> tuple[np.ndarray, np.ndarray]:
     """[positions, depth] windows (-1 past an answer's end) and each window's position in the joined answers."""
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]) if len(seqs) else np.zeros(0, np.int64)
-    ends = np.repeat(np.cumsum(lengths), lengths)
-    pos = np.arange(len(tokens))
-    idx = pos[:, None] + np.arange(depth)[None]
-    win = np.where(idx < ends[:, None], tokens[np.minimum(idx, max(len(tokens) - 1, 0))], -1)
-    return win, pos
+    tokens = np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs]) if len(seqs) else np.zeros(0, np.int32)
+    left = np.repeat(np.cumsum(lengths), lengths) - np.arange(len(tokens))  # tokens left in each one's answer
+    win = np.full((len(tokens), depth), -1, dtype=np.int32)
+    for k in range(depth):
+        fits = left > k
+        win[fits, k] = tokens[np.flatnonzero(fits) + k]
+    return win, np.arange(len(tokens), dtype=np.int32)
+
+
+def _levels(seqs: list[list[int]], depth: int) -> tuple[np.ndarray, ...]:
+    """Each node's token, count and first position, and where its children start, numbered level by level."""
+    win, pos = _windows(seqs, depth)
+    order = np.lexsort([pos] + [win[:, k] for k in range(depth - 1, -1, -1)])
+    win, pos = win[order], pos[order]
+    del order
+    # the first column where each window differs from the one before it (depth where equal)
+    differs = np.ones((len(win), depth), dtype=bool)
+    differs[1:] = win[1:] != win[:-1]
+    first_diff = np.where(differs.any(1), differs.argmax(1), depth).astype(np.int8)
+    del differs
+    tok, count, first, starts = [np.zeros(1, np.int32)], [np.array([len(win)], np.int32)], [np.zeros(1, np.int32)], []
+    rows_above = np.zeros(1, np.int32)  # the first window row of each node one level up (the root: row 0)
+    for k in range(depth):
+        group = np.flatnonzero(first_diff <= k)  # windows that start a new prefix of length k + 1
+        real = group[win[group, k] >= 0]  # ... that are nodes (not windows ended before k + 1 tokens)
+        at = np.searchsorted(group, real)
+        tok.append(win[real, k])
+        count.append(np.diff(np.append(group, len(win)))[at].astype(np.int32))
+        first.append(np.minimum.reduceat(pos, group)[at] if len(group) else pos[:0])
+        starts.append(np.searchsorted(real, rows_above))
+        rows_above = real
+    starts.append(np.zeros(len(rows_above), np.int64))
+    base = np.cumsum([0] + [len(t) for t in tok])
+    start = np.concatenate([s + base[k + 1] for k, s in enumerate(starts)] + [base[-1:]])
+    return np.concatenate(tok), np.concatenate(count), np.concatenate(first), start
+
+
+def _ranks(count: np.ndarray, first: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's children in :meth:`FrozenTrie.ranked` order, in the node's run of ids; the sum of each node's
+    children's counts."""
+    parent = np.repeat(np.arange(len(start) - 1, dtype=np.int32), np.diff(start))  # of nodes 1 .. n - 1
+    order = np.concatenate([[0], np.lexsort([first[1:], -count[1:], parent]) + 1])
+    return order, np.bincount(parent, weights=count[1:], minlength=len(count))
+
+
+def _ints(values: np.ndarray, code: str = "i") -> array:
+    """A numpy vector as a compact Python array (read an item at a time without numpy's overhead)."""
+    out = array(code)
+    out.frombytes(np.ascontiguousarray(values, dtype=np.int32 if code == "i" else np.int64).tobytes())
+    return out
 
 
 class FrozenTrie:
@@ -37,43 +81,11 @@ class FrozenTrie:
 
     def __init__(self, seqs: list[list[int]], depth: int):
         self.depth = depth
-        win, pos = _windows([s for s in seqs if s], depth)
-        order = np.lexsort([pos] + [win[:, k] for k in range(depth - 1, -1, -1)])
-        win, pos = win[order], pos[order]
-        # the first column where each window differs from the one before it (depth where equal)
-        differs = np.ones((len(win), depth), dtype=bool)
-        differs[1:] = win[1:] != win[:-1]
-        first_diff = np.where(differs.any(1), differs.argmax(1), depth)
-        tok, count, first, starts = [np.zeros(1, np.int64)], [np.array([len(win)])], [np.zeros(1, np.int64)], []
-        rows_above = np.zeros(1, np.int64)  # the first window row of each node one level up (the root: row 0)
-        for k in range(depth):
-            group = np.flatnonzero(first_diff <= k)  # windows that start a new prefix of length k + 1
-            real = group[win[group, k] >= 0]  # ... that are nodes (not windows ended before k + 1 tokens)
-            sizes = np.diff(np.append(group, len(win)))
-            tok.append(win[real, k])
-            count.append(sizes[np.searchsorted(group, real)])
-            first.append(np.minimum.reduceat(pos, group)[np.searchsorted(group, real)] if len(group) else real)
-            starts.append(np.searchsorted(real, rows_above))
-            rows_above = real
-        starts.append(np.zeros(len(rows_above), np.int64))
-        base = np.cumsum([0] + [len(t) for t in tok])
-        start = np.concatenate([s + base[k + 1] for k, s in enumerate(starts)] + [base[-1:]])
-        self.tok, self.count = array("i", np.concatenate(tok).tolist()), array("i", np.concatenate(count).tolist())
-        self.first = array("i", np.concatenate(first).tolist())
-        self.start = array("i", start.tolist())  # node n's children: ids start[n] .. start[n + 1] - 1
-        self._rank_children(start)
+        tok, count, first, start = _levels([s for s in seqs if s], depth)
+        order, totals = _ranks(count, first, start)
+        self.tok, self.count, self.first, self.start = (_ints(a) for a in (tok, count, first, start))
+        self.order, self.totals = _ints(order), _ints(totals, "q")  # start[n] .. start[n + 1] - 1: n's children
         self.tokens = int(sum(len(s) for s in seqs))
-
-    def _rank_children(self, start: np.ndarray) -> None:
-        """``order``: each node's children as :meth:`ranked` orders them, in the node's run of ids;
-        ``totals``: the sum of each node's children's counts."""
-        count, first = np.frombuffer(self.count, np.int32), np.frombuffer(self.first, np.int32)
-        parent = np.repeat(np.arange(len(start) - 1), np.diff(start))  # the parent of nodes 1 .. n - 1
-        order = np.lexsort([first[1:], -count[1:], parent]) + 1
-        self.order = array("i", [0] + order.tolist())
-        total = np.zeros(len(count), np.int64)
-        np.add.at(total, parent, count[1:])
-        self.totals = array("q", total.tolist())
 
     def __len__(self) -> int:
         return len(self.count)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..backend import release_free_memory
 from ..tree import DraftTree
 from .base import DecodeState, Drafter, RowStates, Verdict
 from .frozen_trie import FrozenTrie
@@ -219,6 +220,7 @@ def store_trie(store: list[list[int]]) -> FrozenTrie:
     kept = _STORE_TRIES.get(id(store))
     if kept is None or kept[0] is not store:
         kept = _STORE_TRIES[id(store)] = (store, FrozenTrie(store, STORE_DEPTH))
+        release_free_memory()  # the build's sorted windows
     return kept[1]
 
 
