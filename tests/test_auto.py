@@ -354,39 +354,6 @@ def test_auto_verifies_cheap_offers_side_by_side_and_counts_each_for_its_drafter
         assert 0.3 < rate < 0.7
 
 
-class Fixed(Drafter):
-    """A cheap drafter that proposes the same chain every step (empty: nothing), counting its calls."""
-
-    cheap, needs_hidden = True, False
-
-    def __init__(self, name: str, tokens: list[int]):
-        self.name, self.tokens, self.calls, self.max_nodes = name, tokens, 0, max(1, len(tokens))
-
-    def propose(self, states):
-        self.calls += 1
-        return [DraftTree(torch.tensor(self.tokens, dtype=torch.long), chain(len(self.tokens))) for _ in states]
-
-
-@pytest.mark.parametrize("chain_offered,asked", [(True, False), (False, True)])
-def test_auto_asks_a_cheap_drafter_that_takes_time_only_where_it_could_pay(chain_offered, asked):
-    """A cheap drafter whose proposal takes a tenth of a step (a head that follows the answer) and is right 30 %
-    of the time is not asked beside a 4-token chain that is nearly always right (its node could not pay for its
-    time there), and is asked where nothing else is offered. A row's first proposal always asks it."""
-    prompt = list(range(5, 45))
-    slow, sure = Fixed("slow", [7]), Fixed("sure", [8, 9, 10, 11] if chain_offered else [])
-    auto = AutoDrafter({"sure": sure, "slow": slow}, {n: 1.0 + 0.05 * (n - 1) for n in (1, 2, 4, 8, 16)})
-    for i in range(40):
-        auto.totals["sure"].add(4, 4, decay=1.0)
-        auto.totals["slow"].add(int(i % 10 < 3), 1, decay=1.0)
-    state = DecodeState(prompt, len(prompt), Sampling(), capacity=len(prompt) + 100)
-    auto.propose([state])
-    assert slow.calls == 1  # new to the row: asked, and not timed (a head's first proposal reads the prompt)
-    auto.seconds["slow"] = 0.1
-    state.tokens.append(12)
-    auto.propose([state])
-    assert slow.calls == (2 if asked else 1)
-
-
 @pytest.mark.parametrize("budget,tries", [(8, False), (100_000, True)])
 def test_auto_tries_a_costly_drafter_only_where_its_catch_up_can_pay(budget, tries):
     """A costly drafter first reads the whole prompt: on a long prompt with 8 tokens left to write that read

@@ -84,39 +84,6 @@ def test_drafted_tree_equals_fresh_runs_of_each_path(family, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_head_that_skipped_steps_reads_them_later_and_drafts_as_one_asked_every_step(kind):
-    """Steps the head is not asked for (``follow``: auto found its proposal could not pay) are read with the next
-    step it is asked for, in one forward: its cache then holds the same pairs as a head asked every step, and it
-    drafts the same tree, whether the kept steps' features come fused or not."""
-    model = tiny.cached_model("llama", "sdpa", 1)
-    embed = model.get_input_embeddings()
-    heads = _head(model, kind, intermediate_size=40)
-    seq = [5, 9, 2, 7, 7, 1, 3, 8, 6, 4, 2, 9, 1]
-    hidden, _ = _features(model, seq)
-    every, skipping = EagleDrafter(heads, embed, TREE), EagleDrafter(heads, embed, TREE)
-    a = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4])
-    b = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4])
-    ends = [5, 6, 8, 9, 12]  # committed positions after each step (1-2 tokens a step)
-    for i, end in enumerate(ends):
-        if i:
-            for s in (a, b):
-                s.tokens, s.new_hidden, s.hidden = seq[:end + 1], hidden[ends[i - 1]:end], hidden[end - 1]
-            if kind == "eagle3" and i == 3:  # a compiled step hands over features already fused by the head's fc
-                with torch.no_grad():
-                    b.new_hidden = heads.fc(b.new_hidden.to(heads.dtype))
-        want, = every.propose([a])
-        if i in (1, 3):
-            skipping.follow([b])
-            continue
-        got, = skipping.propose([b])
-        assert got.tokens.tolist() == want.tokens.tolist() and got.parents == want.parents
-        row, ref = skipping.rows.of(b), every.rows.of(a)
-        assert row.cache.get_seq_length() == ref.cache.get_seq_length() == end and row.fed == end
-        assert torch.allclose(row.root, ref.root, atol=1e-2)
-    assert not skipping.rows.of(b).kept
-
-
-@pytest.mark.parametrize("kind", KINDS)
 def test_training_guesses_equal_drafting_at_each_depth(kind):
     model = tiny.cached_model("llama", "sdpa", 1)
     embed = model.get_input_embeddings()

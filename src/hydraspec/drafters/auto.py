@@ -24,12 +24,7 @@ or none (plain decoding). What decides, all measured on this machine and this se
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is
 not verified it is still scored against the tokens decoded next (greedy: exactly what verification would
-have accepted), so their estimates stay current at no cost. A cheap drafter whose proposal takes a share of a
-step (GATED or more: a head that follows the answer) is asked only for the rows where its first node, at its
-chance as a chosen proposal, could give more tokens per second than the row's best choice without it, alone or
-beside it; elsewhere it skips the step (a following head keeps the step's committed tokens and reads them with
-the next step it is asked for, in one forward: ``Drafter.follow``). Its time is measured on the steps after a
-row's first (which reads the prompt). A drafter with a forward of its own is run only
+have accepted), so their estimates stay current at no cost. A drafter with a forward of its own is run only
 when chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could
 beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
 drafter with a forward of its own first reads every token it has not seen (on first use, the prompt less what
@@ -69,7 +64,6 @@ CALIBRATION_DECAY = 0.98  # weight of older verified proposals in a drafter's ca
 CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised at every depth
 NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predicted
 BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
-GATED = 0.02  # a cheap drafter taking more than this share of a one-token step is asked only where it could pay
 
 
 @dataclass
@@ -126,7 +120,6 @@ class AutoRow:
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     known: dict[str, int] = field(default_factory=dict)  # costly drafter not yet used -> Drafter.known, asked once
     shadows: dict[str, tuple[int, list[int], str]] = field(default_factory=dict)  # unverified cheap chains
-    asked: set[str] = field(default_factory=set)  # cheap drafters that have proposed for this sequence
 
 
 class AutoDrafter(Drafter):
@@ -151,7 +144,6 @@ class AutoDrafter(Drafter):
         self.calibration: dict[str, Calibration] = defaultdict(Calibration)  # realised over predicted, chosen drafts
         self.trust: dict[str, list[float]] = {}  # calibration factors, kept per update
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
-        self.gate = GATED  # share of a step above which a cheap drafter is asked only where it could pay
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
@@ -163,9 +155,8 @@ class AutoDrafter(Drafter):
         self.step = self.packed.forward(forward_rows)
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
-        cheap = {n: self._offered(n, rows, states) for n in self.cheap if not self._gated(n)}
+        cheap = {n: self._timed(n, states) for n in self.cheap}
         offers = [{n: t[b] for n, t in cheap.items()} for b in range(len(states))]
-        self._ask_gated(rows, states, offers)
         out = [DraftTree.empty() for _ in states]
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
         before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
@@ -199,35 +190,6 @@ class AutoDrafter(Drafter):
             choice = self._beside(rows[b], states[b], offers[b], choice)
             yield b, load, choice
             load = choice.after
-
-    def _gated(self, name: str) -> bool:
-        """Whether a cheap drafter's proposal costs enough time (a head that follows every step) to be asked
-        only where it could pay."""
-        return self.seconds[name] > self.gate * self.cost(1)
-
-    def _ask_gated(self, rows: list[AutoRow], states: list[DecodeState], offers: list[dict[str, DraftTree]]) -> None:
-        """Each gated cheap drafter proposes for the rows where :meth:`_could_pay`, its offers joining theirs."""
-        alone = Load(len(states) + self.beside, len(states))
-        for n in self.cheap:
-            if self._gated(n):
-                ask = [b for b in range(len(states)) if self._could_pay(rows[b], states[b], n, offers[b], alone)]
-                picked = [rows[b] for b in ask], [states[b] for b in ask]
-                for b, tree in zip(ask, self._offered(n, *picked) if ask else ()):
-                    offers[b][n] = tree
-                if len(ask) < len(states):
-                    self.drafters[n].follow([s for b, s in enumerate(states) if b not in ask])
-
-    def _could_pay(self, row: AutoRow, s: DecodeState, name: str, offers: dict[str, DraftTree], load: Load) -> bool:
-        """Whether drafter ``name``'s first node, at its chance as a chosen proposal (an upper bound of its chance
-        beside another), could give the row more tokens per second than its best choice without it, alone or
-        beside that choice, after paying for the proposal. A row skips it where not (a following head reads
-        the skipped steps' tokens when next asked)."""
-        best = self._choose(row, s, load, offers)
-        p, c, sec = self.chances(row, name, 1)[0], self.step, self.seconds[name]
-        alone = (load.expect + p) / (c(load.tokens + 1) + load.seconds + sec)
-        after = best.after
-        beside = (after.expect + p) / (c(after.tokens + 1) + after.seconds + sec)
-        return max(alone, beside) > best.rate
 
     def _beside(self, row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> Choice:
         """The choice with other cheap offers beside it, each cut to what pays on the load so far, where their
@@ -264,16 +226,6 @@ class AutoDrafter(Drafter):
             out.append(Part(n, (stat + BESIDE, stat) if beside else (stat,), [j for j, k in enumerate(owner) if k == i],
                             [d for d, k in zip(depth, owner) if k == i]))
         return joined, out
-
-    def _offered(self, name: str, rows: list[AutoRow], states: list[DecodeState]) -> list[DraftTree]:
-        """A cheap drafter's proposals, timed unless a row is new to it (a head's first proposal reads the
-        prompt: not what a step costs)."""
-        fresh = [r for r in rows if name not in r.asked]
-        if not fresh:
-            return self._timed(name, states)
-        for r in fresh:
-            r.asked.add(name)
-        return self.drafters[name].propose(states)
 
     def _timed(self, name: str, states: list[DecodeState]) -> list[DraftTree]:
         t0 = time.perf_counter()

@@ -77,10 +77,6 @@ class Drafter:
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
         """verdicts[b]: how the last proposal for states[b] fared."""
 
-    def follow(self, states: list[DecodeState]) -> None:
-        """A step this drafter is not asked to propose for: keep what it needs of the step to catch up when next
-        asked (a head that reads every committed token)."""
-
     def forget(self) -> None:
         """Drop what finished sequences left for later ones (earlier answers); sequences in flight keep theirs."""
 

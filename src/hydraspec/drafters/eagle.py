@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,9 +18,8 @@ class EagleRow:
 
     cache: object
     fed: int = 0  # positions read
-    seen: torch.Tensor | None = None  # the last new_hidden read or kept (read once)
+    seen: torch.Tensor | None = None  # the last new_hidden read (read once)
     root: torch.Tensor | None = None  # the head's output at the last committed pair
-    kept: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (end, new_hidden) of steps not asked
 
 
 FOLLOW_TREE = [[0]]  # a following head's proposal inside auto: one node (BENCHMARKS.md)
@@ -72,45 +71,21 @@ class EagleDrafter(Drafter):
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         return [self.propose_one(self.rows.of(s), s) for s in states]
 
-    def follow(self, states: list[DecodeState]) -> None:
-        """A step the head is not asked to propose for: keep the pairs it committed, to read at the next call
-        (with them in one forward), so that the head's cache has no gap."""
-        for s in states:
-            row = self.rows.of(s)
-            if s.new_hidden is not None and s.new_hidden is not row.seen:
-                row.kept.append((len(s.tokens) - 1, s.new_hidden))
-                row.seen = s.new_hidden
-
-    @staticmethod
-    def _unread(row: EagleRow, state: DecodeState) -> list[tuple[int, torch.Tensor]]:
-        """(end, features) of the committed pairs not read yet, oldest first: the kept steps' and this one's, as
-        far back as they join without a gap, those of one width joined (a prompt's features and a compiled
-        step's fused ones differ)."""
-        chunks, row.kept = row.kept, []
-        if state.new_hidden is not None and state.new_hidden is not row.seen:
-            chunks.append((len(state.tokens) - 1, state.new_hidden))
-        run: list[tuple[int, torch.Tensor]] = []
-        for end, f in reversed(chunks):
-            if run and end != run[0][0] - run[0][1].shape[0]:
-                break
-            if run and f.shape[-1] == run[0][1].shape[-1]:
-                run[0] = (run[0][0], torch.cat([f, run[0][1]]))
-            else:
-                run.insert(0, (end, f))
-        return run
-
     def _commit(self, row: EagleRow, state: DecodeState) -> torch.Tensor | None:
         """Feed the head the pairs committed since the last call; returns its output at the last one."""
-        for end, new in self._unread(row, state):  # committed positions [0, end); tokens[end] is pending
-            # a step that drafted nothing, a cached prefix or a prompt read in chunks leaves a gap: skipped
-            first = max(end - new.shape[0], row.fed)
-            if first < end:
-                feats = new[new.shape[0] - (end - first):]
-                toks = torch.tensor(state.tokens[first + 1:end + 1], device=feats.device)
-                pos = torch.arange(first, end, device=feats.device)
-                out = self.heads.step(feats, self.embed(toks), pos, row.cache)
-                row.root, row.fed = out[-1], end
-        row.seen = state.new_hidden
+        new = state.new_hidden
+        if new is None or new is row.seen:
+            return row.root
+        end = len(state.tokens) - 1  # committed positions [0, end); tokens[end] is the pending token
+        # a step that drafted nothing, a cached prefix or a prompt read in chunks leaves a gap: skipped
+        first = max(end - new.shape[0], row.fed)
+        if first < end:
+            feats = new[new.shape[0] - (end - first):]
+            toks = torch.tensor(state.tokens[first + 1:end + 1], device=feats.device)
+            pos = torch.arange(first, end, device=feats.device)
+            out = self.heads.step(feats, self.embed(toks), pos, row.cache)
+            row.root, row.fed = out[-1], end
+        row.seen = new
         return row.root
 
     @torch.inference_mode()
