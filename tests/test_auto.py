@@ -9,9 +9,9 @@ from hydraspec import SpeculativeGenerator
 from hydraspec.drafters import make_auto, make_drafter
 from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load, stat_key
 from hydraspec.drafters.base import DecodeState, Drafter, Verdict
+from hydraspec.drafters.frozen_trie import FrozenTrie
 from hydraspec.drafters.prediction import PredictionDrafter
 from hydraspec.drafters.prompt_lookup import NgramIndex, lookup
-from hydraspec.drafters.frozen_trie import FrozenTrie
 from hydraspec.drafters.suffix import SharedAnswers, SuffixDrafter, SuffixTrie, load_store, speculate
 from hydraspec.engine import Engine, Request
 from hydraspec.sampling import Sampling
@@ -138,8 +138,8 @@ def test_a_frozen_store_trie_drafts_what_the_dict_trie_drafts(depth, vocab):
         ctx = torch.randint(0, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
         assert [m for _, m in frozen.each_match(ctx)] == [m for _, m in grown.each_match(ctx)]
         for (a, m), (b, _) in zip(frozen.each_match(ctx), grown.each_match(ctx)):
-            for chain in (False, True):
-                assert speculate(frozen, a, 8, 0.05, chain) == speculate(grown, b, 8, 0.05, chain)
+            for only_chain in (False, True):
+                assert speculate(frozen, a, 8, 0.05, only_chain) == speculate(grown, b, 8, 0.05, only_chain)
             found += 1
     assert found > 20
 

@@ -66,31 +66,53 @@ def _ranks(count: np.ndarray, first: np.ndarray, start: np.ndarray) -> tuple[np.
     return order, np.bincount(parent, weights=count[1:], minlength=len(count))
 
 
-def _ints(values: np.ndarray, code: str = "i") -> array:
-    """A numpy vector as a compact Python array (read an item at a time without numpy's overhead)."""
-    out = array(code)
-    out.frombytes(np.ascontiguousarray(values, dtype=np.int32 if code == "i" else np.int64).tobytes())
+def _ints(values: np.ndarray) -> array:
+    """A numpy vector as a compact Python array of int32 (read an item at a time without numpy's overhead)."""
+    out = array("i")
+    out.frombytes(np.ascontiguousarray(values, dtype=np.int32).tobytes())
     return out
 
 
-class FrozenTrie:
-    """Every suffix of ``seqs`` cut to ``depth`` tokens (see the module docstring); read with
-    :meth:`each_match` and :meth:`ranked`, as the drafter reads a :class:`SuffixTrie`."""
+class TrieWalk:
+    """Reading a suffix trie from its root, shared by the dict trie and the flat one: each gives ``depth``,
+    ``find(node, token)`` (the child, or None) and ``has_children(node)``."""
 
     ROOT = 0
+    depth: int
+
+    def each_match(self, context: list[int]):
+        """The nodes of the suffixes of ``context`` (at most depth - 1 tokens) that occurred before with a
+        continuation, with their lengths, longest first, each walked from the root only when asked for."""
+        for m in range(min(self.depth - 1, len(context)), 0, -1):
+            node = self.ROOT
+            for t in context[len(context) - m:]:
+                node = self.find(node, t)
+                if node is None:
+                    break
+            if node is not None and self.has_children(node):
+                yield node, m
+
+    def matches(self, context: list[int]) -> list[tuple[int, int]]:
+        """:meth:`each_match`, all at once."""
+        return list(self.each_match(context))
+
+
+class FrozenTrie(TrieWalk):
+    """Every suffix of ``seqs`` cut to ``depth`` tokens (see the module docstring); read with
+    :meth:`each_match` and :meth:`ranked`, as the drafter reads a :class:`SuffixTrie`."""
 
     def __init__(self, seqs: list[list[int]], depth: int):
         self.depth = depth
         tok, count, first, start = _levels([s for s in seqs if s], depth)
         order, totals = _ranks(count, first, start)
-        self.tok, self.count, self.first, self.start = (_ints(a) for a in (tok, count, first, start))
-        self.order, self.totals = _ints(order), _ints(totals, "q")  # start[n] .. start[n + 1] - 1: n's children
+        self.tok, self.count, self.start = _ints(tok), _ints(count), _ints(start)  # n's children: ids start[n]..
+        self.order, self.totals = _ints(order), _ints(totals)
         self.tokens = int(sum(len(s) for s in seqs))
 
     def __len__(self) -> int:
         return len(self.count)
 
-    def child(self, node: int, token: int) -> int | None:
+    def find(self, node: int, token: int) -> int | None:
         lo, hi = self.start[node], self.start[node + 1]
         i = bisect_left(self.tok, token, lo, hi)
         return i if i < hi and self.tok[i] == token else None
@@ -107,18 +129,3 @@ class FrozenTrie:
         tok = self.tok
         for k in self.order[self.start[node]:self.start[node + 1]]:
             yield tok[k], k
-
-    def each_match(self, context: list[int]):
-        """The nodes of the suffixes of ``context`` (at most depth - 1 tokens) with a continuation, with their
-        lengths, longest first, each walked from the root only when asked for."""
-        for m in range(min(self.depth - 1, len(context)), 0, -1):
-            node = self.ROOT
-            for t in context[len(context) - m:]:
-                node = self.child(node, t)
-                if node is None:
-                    break
-            if node is not None and self.has_children(node):
-                yield node, m
-
-    def matches(self, context: list[int]) -> list[tuple[int, int]]:
-        return list(self.each_match(context))

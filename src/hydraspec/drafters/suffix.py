@@ -26,18 +26,16 @@ import torch
 from ..backend import release_free_memory
 from ..tree import DraftTree
 from .base import DecodeState, Drafter, RowStates, Verdict
-from .frozen_trie import FrozenTrie
+from .frozen_trie import FrozenTrie, TrieWalk
 
 
-class SuffixTrie:
+class SuffixTrie(TrieWalk):
     """Every suffix of every sequence added, cut to ``depth`` tokens; nodes count their occurrences.
 
     Nodes are integer ids (0 is the root) into two lists: each node's children, a dict of token -> node, and
     its count; the ids of removed nodes are reused. The dicts hold only integers, so Python's garbage
     collector never tracks them: a server's tries of millions of nodes add nothing to its collections (as
     objects, each full collection walked them all, a pause of half a second and more between two tokens)."""
-
-    ROOT = 0
 
     def __init__(self, depth: int = 24):
         self.depth = depth
@@ -98,21 +96,12 @@ class SuffixTrie:
         self.tokens += 1
         return out[-(self.depth - 1):] if self.depth > 1 else []
 
-    def matches(self, context: list[int]) -> list[tuple[int, int]]:
-        """The nodes of the suffixes of ``context`` (at most depth - 1 tokens) that occurred before with a
-        continuation, with their lengths, longest first."""
-        return list(self.each_match(context))
+    def find(self, node: int, token: int) -> int | None:
+        """The child of ``node`` by ``token``, or None (nothing is made)."""
+        return self.kids[node].get(token)
 
-    def each_match(self, context: list[int]):
-        """:meth:`matches` one at a time, each suffix walked from the root only when asked for."""
-        for m in range(min(self.depth - 1, len(context)), 0, -1):
-            node = self.ROOT
-            for t in context[len(context) - m:]:
-                node = self.kids[node].get(t)
-                if node is None:
-                    break
-            if node is not None and self.kids[node]:
-                yield node, m
+    def has_children(self, node: int) -> bool:
+        return bool(self.kids[node])
 
     def ranked(self, node: int) -> list[tuple[int, int]]:
         """(token, child) pairs by count, most frequent first, ties in the order they were made."""
