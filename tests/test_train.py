@@ -430,3 +430,27 @@ def test_train_heads_on_text_alone_distils_the_base(tok, tmp_path):
     drafter = make_drafter("medusa", heads=heads, embed=model.get_input_embeddings(), tree=cfg["default_tree"])
     res = SpeculativeGenerator(model, tok, drafter).generate(prompt, max_new_tokens=24)
     assert res.token_ids == ref.token_ids
+
+
+def test_training_from_saved_heads_starts_where_they_left_off(tok, tmp_path):
+    """init=DIR: the heads start from that checkpoint (at learning rate 0 they come out as they went in, their
+    draft vocabulary kept), a further epoch moves them, and heads of another kind are refused."""
+    from hydraspec.errors import HydraspecError
+
+    model = tiny.cached_model("llama", "sdpa", 1)
+    questions = [(i, [" ".join(f"w{(i * 5 + j * 3) % 90}" for j in range(6))]) for i in range(4)]
+    data = tmp_path / "answers.jsonl"
+    answer_prompts(model, tok, questions, data, max_new_tokens=12, progress=False, batch_size=2)
+    opts = dict(kind="hydra", base_name="tiny", num_heads=2, heldout=0.0, progress=False, distill=True,
+                train_dtype="float32")
+    train_heads(model, data, tmp_path / "a", epochs=1, draft_vocab=20, **opts)
+    train_heads(model, data, tmp_path / "same", epochs=1, lr=0.0, init=tmp_path / "a", **opts)
+    train_heads(model, data, tmp_path / "more", epochs=1, init=tmp_path / "a", **opts)
+    a, same, more = (load_heads(tmp_path / d, model)[0].state_dict() for d in ("a", "same", "more"))
+    assert a.keys() == same.keys() and torch.equal(a["subset"], same["subset"]) and a["subset"].numel() == 20
+    for k in a:
+        torch.testing.assert_close(a[k], same[k], msg=k)
+    assert any(not torch.equal(a[k], more[k]) for k in a if a[k].is_floating_point())
+    assert json.loads((tmp_path / "more" / "config.json").read_text())["started_from"] == str(tmp_path / "a")
+    with pytest.raises(HydraspecError, match="not medusa heads"):
+        train_heads(model, data, tmp_path / "b", epochs=1, init=tmp_path / "a", **{**opts, "kind": "medusa"})

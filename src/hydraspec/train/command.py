@@ -84,4 +84,7 @@ def add_parser(subparsers) -> None:
                    help="disk for the base model's hidden states (ANSWERS.base_cache/ beside the --data file), "
                         "kept from data generation and reused by every epoch and training; sequences past the "
                         "bound are recomputed (0 = no cache)")
+    t.add_argument("--init", metavar="DIR",
+                   help="start from these heads (a checkpoint of --kind, e.g. shipped ones) instead of fresh ones: "
+                        "their shapes and draft vocabulary are kept, so more data goes on from what they learnt")
     t.set_defaults(func=run, quant="none")  # heads train on the dequantized base

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from ..backend import unpack
 from ..errors import HydraspecError
 from ..features import features, set_feature_layers
-from ..heads import base_fingerprint, build_heads, save_heads
+from ..heads import base_fingerprint, build_heads, save_heads, saved_heads
 from .data import load_answers
 from .losses import heads_loss
 from .sync import Sync
@@ -40,7 +40,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
                 prefix_layer: bool = False, extra_config: dict | None = None, draft_vocab: int | None = None,
                 cache_bytes: int = 4 << 30, joint: bool = False, warmup_epochs: int = 1, lm_weight: float = 0.01,
                 base_lr: float | None = None, train_dtype: str = "auto", accum: int = 1,
-                head_options: dict | None = None, eagle: dict | None = None) -> dict:
+                head_options: dict | None = None, eagle: dict | None = None, init=None) -> dict:
     """Train draft heads on the answers in `data_path` and save them (and the training log) in `out_dir`.
 
     joint=True is Medusa-2: the heads train alone for `warmup_epochs`, then the base model's decoder
@@ -60,7 +60,9 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     fewer, weighted 1 / their number): an AdamW step over the heads' parameters costs about as much as a sequence's
     forward and backward on a CPU. The heads start from `seed` (and so does the order of the sequences in each
     epoch). head_options: what the kind takes beyond the common sizes (EAGLE: intermediate_size); eagle: the options
-    of an EAGLE head's loss (train.losses.eagle_loss).
+    of an EAGLE head's loss (train.losses.eagle_loss). ``init``: a heads checkpoint of ``kind`` to start from instead
+    of fresh heads (more data for heads already trained: its shapes and draft vocabulary are kept, and the
+    shape options here are not used).
 
     Under `accelerate launch` with P processes (e.g. ``accelerate launch --multi_gpu --num_processes 2
     -m hydraspec.cli train-heads --device cpu ...``, gloo on the CPU), every process shuffles the sequences
@@ -82,13 +84,18 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     if main:
         out.mkdir(parents=True, exist_ok=True)
     subset = None
-    if draft_vocab:
+    if draft_vocab and init is None:
         subset, coverage = choose_draft_vocab(train or rows, draft_vocab, model)
         extra_config = {**(extra_config or {}), "draft_vocab_coverage": round(coverage, 5)}
         if progress:
             print(f"draft vocabulary: {len(subset)} tokens cover {coverage:.2%} of the training answers' tokens")
-    heads = _new_heads(model, sync, seed, kind, num_heads=num_heads, num_layers=num_layers, prefix_layer=prefix_layer,
-                       vocab_subset=subset, **(head_options or {}))
+    if init is not None:
+        heads = _init_heads(model, sync, kind, init)
+        subset = heads.subset
+        extra_config = {**(extra_config or {}), "started_from": str(init)}
+    else:
+        heads = _new_heads(model, sync, seed, kind, num_heads=num_heads, num_layers=num_layers,
+                           prefix_layer=prefix_layer, vocab_subset=subset, **(head_options or {}))
     tuned = _tuned_base(model, joint, epochs, warmup_epochs)
     run = _Fit(model=model, heads=heads, acc=acc, sync=sync, out=out, tuned=tuned, progress=progress,
                distill=distill, eagle=eagle, lm_weight=lm_weight, max_len=max_len, joint=joint,
@@ -176,6 +183,22 @@ def _new_heads(model, sync: Sync, seed: int, kind: str, **options):
     sync.broadcast(heads.state_dict().values())
     layers = getattr(heads, "feature_layers", None)
     if layers is not None:  # EAGLE-3 trains on the joined layers and the last state (the teacher's logits)
+        set_feature_layers(model, layers + [model.config.get_text_config(decoder=True).num_hidden_layers])
+    return heads
+
+
+def _init_heads(model, sync: Sync, kind: str, directory):
+    """The heads saved in ``directory`` (float32, dequantised if stored as codes) to train on from there."""
+    try:
+        cfg = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HydraspecError(f"cannot read heads config in '{directory}': {e}") from None
+    if cfg.get("kind") != kind:
+        raise HydraspecError(f"--init holds {cfg.get('kind')} heads, not {kind} heads")
+    heads = saved_heads(directory, model, cfg).float().to(model.device)
+    sync.broadcast(heads.state_dict().values())
+    layers = getattr(heads, "feature_layers", None)
+    if layers is not None:  # as _new_heads: the joined layers and the last state
         set_feature_layers(model, layers + [model.config.get_text_config(decoder=True).num_hidden_layers])
     return heads
 

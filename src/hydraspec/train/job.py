@@ -69,6 +69,7 @@ class HeadsJob:
     lm_weight: float = 0.01
     base_lr: float | None = None
     cache_gb: float = 4.0
+    init: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "HeadsJob":
@@ -301,7 +302,7 @@ def _run_job(run: _Run) -> int:
                       prefix_layer=prefix, extra_config=_used(run), draft_vocab=job.draft_vocab or None,
                       cache_bytes=cache_bytes, joint=job.joint, warmup_epochs=job.warmup_epochs,
                       lm_weight=job.lm_weight, base_lr=job.base_lr, train_dtype=job.train_dtype,
-                      accum=job.grad_accum, head_options=head_options, eagle=eagle)
+                      accum=job.grad_accum, head_options=head_options, eagle=eagle, init=job.init)
     if run.is_main:  # the main process saved everything and reports
         _report(run, res, kind, t0, t_data)
     return 0
