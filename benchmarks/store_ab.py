@@ -2,13 +2,16 @@
 """Suffix stores against each other in one process: plain decoding and ``auto`` with the shipped head (or without one:
 ``--no-head``), once without a store and once per store given, alternating which goes first prompt by prompt (the
 machine's speed drifts within the hour, so only such alternation decides). With ``--head-ab``: plain decoding and
-``auto`` with the first store given, once with the head and once without. Every answer must equal plain decoding's.
+``auto`` with the first store given, once with the head and once without; with ``--heads DIR...``: plain decoding and
+``auto`` with the first store and the shipped head, then with each head given instead. Every answer must equal
+plain decoding's.
 Prints seconds, speedup over plain decoding and tokens per target forward for each.
 
     python benchmarks/store_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --stores shipped
     python benchmarks/store_ab.py --prompts benchmarks/prompts/sharegpt.jsonl --skip 40 --limit 26 \\
         --stores shipped other.npz
     python benchmarks/store_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --head-ab
+    python benchmarks/store_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --heads more-data/
 """
 from __future__ import annotations
 
@@ -35,13 +38,14 @@ def questions(path: str, skip: int, limit: int) -> list[str]:
     return [q.turns[0] for q in sorted(qs, key=lambda q: order.index(q.category))]
 
 
-def auto(target, store: str | None, head: bool = True):
+def auto(target, store: str | None, head: bool | str = True):
     """``auto`` with ``store`` ('shipped', an .npz file or None) and its own copy of the shipped head (none shares
-    another's state; ``head``: False for none, as `hydraspec serve` runs by default)."""
+    another's state; ``head``: False for none, as `hydraspec serve` runs by default, or a heads directory)."""
     answers = None if store is None else load_store(shipped_suffix_store(MODEL) if store == "shipped" else store)
     if not head:
         return make_auto(target, store=answers)
-    heads, cfg = load_heads(str(shipped_heads(MODEL)), target, base_model=MODEL, drafting=True)
+    where = str(shipped_heads(MODEL)) if head is True else head
+    heads, cfg = load_heads(where, target, base_model=MODEL, drafting=True)
     return make_auto(target, auto_heads(heads, cfg, target.get_input_embeddings()), store=answers)
 
 
@@ -56,6 +60,11 @@ def head_ab(target, store: str) -> dict:
     return {"ar": make_drafter("ar"), "head": auto(target, store), "no head": auto(target, store, False)}
 
 
+def heads_ab(target, store: str, dirs: list[str]) -> dict:
+    """'ar', ``auto`` with ``store`` and the shipped head, and the same with each head in ``dirs`` instead."""
+    return {"ar": make_drafter("ar"), "shipped head": auto(target, store), **{d: auto(target, store, d) for d in dirs}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", required=True)
@@ -65,11 +74,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-head", action="store_true", help="auto without the shipped head")
     ap.add_argument("--head-ab", action="store_true", help="auto with the first store, with and without the head")
+    ap.add_argument("--heads", nargs="+", default=[], metavar="DIR", help="auto with the first store and these heads, "
+                    "each against the shipped head")
     a = ap.parse_args()
     torch.set_num_threads(2)
     target, tok = load_model(MODEL, quant="auto")
     compile_models(target, how="auto", hidden=True)
-    made = head_ab(target, a.stores[0]) if a.head_ab else drafters(target, a.stores, not a.no_head)
+    made = head_ab(target, a.stores[0]) if a.head_ab else heads_ab(target, a.stores[0], a.heads) if a.heads \
+        else drafters(target, a.stores, not a.no_head)
     gens = {k: SpeculativeGenerator(target, tok, d) for k, d in made.items()}
     for g in gens.values():
         g.generate([{"role": "user", "content": "Say hi."}], max_new_tokens=8)
