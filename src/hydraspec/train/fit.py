@@ -181,9 +181,7 @@ def _new_heads(model, sync: Sync, seed: int, kind: str, **options):
         torch.manual_seed(seed)  # the same fresh heads in every process (and every run)
         heads = build_heads(kind, model, **options).float()
     sync.broadcast(heads.state_dict().values())
-    layers = getattr(heads, "feature_layers", None)
-    if layers is not None:  # EAGLE-3 trains on the joined layers and the last state (the teacher's logits)
-        set_feature_layers(model, layers + [model.config.get_text_config(decoder=True).num_hidden_layers])
+    _training_features(model, heads)
     return heads
 
 
@@ -197,10 +195,15 @@ def _init_heads(model, sync: Sync, kind: str, directory):
         raise HydraspecError(f"--init holds {cfg.get('kind')} heads, not {kind} heads")
     heads = saved_heads(directory, model, cfg).float().to(model.device)
     sync.broadcast(heads.state_dict().values())
-    layers = getattr(heads, "feature_layers", None)
-    if layers is not None:  # as _new_heads: the joined layers and the last state
-        set_feature_layers(model, layers + [model.config.get_text_config(decoder=True).num_hidden_layers])
+    _training_features(model, heads)
     return heads
+
+
+def _training_features(model, heads) -> None:
+    """EAGLE-3 trains on the joined layers and the last state (the teacher's logits): the model hands out both."""
+    layers = getattr(heads, "feature_layers", None)
+    if layers is not None:
+        set_feature_layers(model, layers + [model.config.get_text_config(decoder=True).num_hidden_layers])
 
 
 def _log_epoch(run: _Fit, record: dict) -> None:
