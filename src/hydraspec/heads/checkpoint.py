@@ -109,11 +109,8 @@ def read_features(directories, model) -> None:
             set_feature_layers(model, layers)
 
 
-def load_heads(directory, model, base_model: str | None = None, drafting: bool = False) -> tuple[Heads, dict]:
-    """Load heads for `model`; refuses heads trained for a model of another shape or other weights (by the
-    checkpoint's ``base_fingerprint``: any path to the same weights is accepted), or, for checkpoints
-    without a fingerprint, of another name. ``drafting``: the heads only draft, so on a bf16 CPU model their
-    layers run on the 4-bit draft-model kernels (backend.quantize_drafting; the answers never change)."""
+def read_heads_config(directory) -> dict:
+    """The config.json of the heads checkpoint in ``directory``; a one-line error where there is none."""
     d = Path(directory)
     try:
         cfg = json.loads((d / "config.json").read_text())
@@ -121,6 +118,16 @@ def load_heads(directory, model, base_model: str | None = None, drafting: bool =
         raise HydraspecError(f"cannot read heads config in '{d}': {e}") from None
     if cfg.get("format") != FORMAT:
         raise HydraspecError(f"'{d}' is not a hydraspec heads checkpoint")
+    return cfg
+
+
+def load_heads(directory, model, base_model: str | None = None, drafting: bool = False) -> tuple[Heads, dict]:
+    """Load heads for `model`; refuses heads trained for a model of another shape or other weights (by the
+    checkpoint's ``base_fingerprint``: any path to the same weights is accepted), or, for checkpoints
+    without a fingerprint, of another name. ``drafting``: the heads only draft, so on a bf16 CPU model their
+    layers run on the 4-bit draft-model kernels (backend.quantize_drafting; the answers never change)."""
+    d = Path(directory)
+    cfg = read_heads_config(d)
     mcfg = model.config.get_text_config(decoder=True)
     if (cfg["hidden_size"], cfg["vocab_size"]) != (mcfg.hidden_size, mcfg.vocab_size):
         raise HydraspecError(
@@ -186,7 +193,7 @@ def saved_heads(directory, model, cfg: dict | None = None) -> Heads:
     """The heads saved in ``directory`` (``cfg``: its config.json, read here when None) built for ``model`` with
     their weights as stored (float32 as training writes them), without load_heads' checks, casts and packing."""
     d = Path(directory)
-    cfg = cfg if cfg is not None else json.loads((d / "config.json").read_text())
+    cfg = cfg if cfg is not None else read_heads_config(d)
     state = _dequantize(load_file(str(d / "heads.safetensors")))
     heads = build_heads(cfg["kind"], model, cfg["num_heads"], cfg["num_layers"], cfg["own_projection"],
                         prefix_layer=bool(cfg.get("prefix_layer")), vocab_subset=state.get("subset"),

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from ..backend import unpack
 from ..errors import HydraspecError
 from ..features import features, set_feature_layers
-from ..heads import base_fingerprint, build_heads, save_heads, saved_heads
+from ..heads import base_fingerprint, build_heads, read_heads_config, save_heads, saved_heads
 from .data import load_answers
 from .losses import heads_loss
 from .sync import Sync
@@ -83,17 +83,16 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     progress = progress and main
     if main:
         out.mkdir(parents=True, exist_ok=True)
-    subset = None
-    if draft_vocab and init is None:
-        subset, coverage = choose_draft_vocab(train or rows, draft_vocab, model)
-        extra_config = {**(extra_config or {}), "draft_vocab_coverage": round(coverage, 5)}
-        if progress:
-            print(f"draft vocabulary: {len(subset)} tokens cover {coverage:.2%} of the training answers' tokens")
     if init is not None:
         heads = _init_heads(model, sync, kind, init)
-        subset = heads.subset
         extra_config = {**(extra_config or {}), "started_from": str(init)}
     else:
+        subset = None
+        if draft_vocab:
+            subset, coverage = choose_draft_vocab(train or rows, draft_vocab, model)
+            extra_config = {**(extra_config or {}), "draft_vocab_coverage": round(coverage, 5)}
+            if progress:
+                print(f"draft vocabulary: {len(subset)} tokens cover {coverage:.2%} of the training answers' tokens")
         heads = _new_heads(model, sync, seed, kind, num_heads=num_heads, num_layers=num_layers,
                            prefix_layer=prefix_layer, vocab_subset=subset, **(head_options or {}))
     tuned = _tuned_base(model, joint, epochs, warmup_epochs)
@@ -103,7 +102,7 @@ def train_heads(model, data_path, out_dir, kind: str = "medusa", base_name: str 
     _optimizer(run, default_lr(kind) if lr is None else lr, base_lr, accum, epochs, len(train), train_dtype)
     start_epoch = _resume(run)
     _base_cache(run, data_path, cache_bytes, rows)
-    run.sub_idx = heads.subset if subset is not None else None
+    run.sub_idx = heads.subset
     _run_epochs(run, train, test, random.Random(seed), start_epoch, epochs, accum)
     set_feature_layers(model, getattr(heads, "feature_layers", None))  # what the trained heads read when drafting
     return {"train": len(train), "heldout": len(test), "log": str(run.log), "processes": sync.n}
@@ -187,10 +186,7 @@ def _new_heads(model, sync: Sync, seed: int, kind: str, **options):
 
 def _init_heads(model, sync: Sync, kind: str, directory):
     """The heads saved in ``directory`` (float32, dequantised if stored as codes) to train on from there."""
-    try:
-        cfg = json.loads((Path(directory) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HydraspecError(f"cannot read heads config in '{directory}': {e}") from None
+    cfg = read_heads_config(directory)
     if cfg.get("kind") != kind:
         raise HydraspecError(f"--init holds {cfg.get('kind')} heads, not {kind} heads")
     heads = saved_heads(directory, model, cfg).float().to(model.device)
