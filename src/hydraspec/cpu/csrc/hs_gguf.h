@@ -25,6 +25,37 @@ typedef struct { int32_t* xq; float* sx; int32_t* xs; float* mxs; } gguf_rows;
 
 static inline void free_gguf_rows(gguf_rows* r) { free(r->xq); free(r->sx); free(r->xs); free(r->mxs); }
 
+#ifdef __AVX512F__
+/* quantize_group for G a multiple of 16 in the AVX-512 build: 16 lanes at a time, the same maximum, divisions and
+   roundings, so the same codes, scale and sum */
+static inline float quantize_group16(const uint16_t* x, int64_t G, int32_t* words, int64_t stride, int32_t* sum) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < G; i += 16) {
+        const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16);
+        m = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(u, abs_mask)), m); /* a NaN input is skipped */
+    }
+    const float amax = _mm512_reduce_max_ps(m);
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = 0; i < G; i += 16) {
+        const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + i))), 16);
+        __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_castsi512_ps(u), sv)); /* round half to even */
+        q = _mm512_max_epi32(_mm512_min_epi32(q, hi), lo);
+        acc = _mm512_add_epi32(acc, q);
+        const __m128i b8 = _mm512_cvtepi32_epi8(q); /* sixteen int8 in order: four words */
+        words[(i / 4) * stride] = _mm_cvtsi128_si32(b8);
+        words[(i / 4 + 1) * stride] = _mm_extract_epi32(b8, 1);
+        words[(i / 4 + 2) * stride] = _mm_extract_epi32(b8, 2);
+        words[(i / 4 + 3) * stride] = _mm_extract_epi32(b8, 3);
+    }
+    *sum = _mm512_reduce_add_epi32(acc);
+    return s;
+}
+#endif
+
 /* One group of G bf16 inputs (G a multiple of 4) -> int8 codes (round half to even), returns the scale; *sum
    gets the code sum. Inputs 4p .. 4p+3 go to the int32 word words[p * stride] (a row block's interleaving).
    Eight lanes at a time with AVX2 (both builds have it): the same divisions and roundings as one at a time. */
@@ -32,6 +63,9 @@ static inline float quantize_group(const uint16_t* x, int64_t G, int32_t* words,
     const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     __m256 m = _mm256_setzero_ps();
     int64_t i = 0;
+#ifdef __AVX512F__
+    if (G % 16 == 0) return quantize_group16(x, G, words, stride, sum);
+#endif
     for (; i + 8 <= G; i += 8) {
         __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
         m = _mm256_max_ps(_mm256_castsi256_ps(_mm256_and_si256(u, abs_mask)), m); /* a NaN input is skipped */
