@@ -48,6 +48,42 @@ def _cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
+@lru_cache(maxsize=1)
+def _cpu_model() -> tuple[str, int]:
+    """(vendor, family) of this CPU from /proc/cpuinfo (("", 0) where unknown)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "", 0
+    first = text.split("\n\n")[0].splitlines()  # the first processor's block
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first if ":" in line)}
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
+
+
+PREFETCH_BYTES = {("AuthenticAMD", 26): 4096}  # (vendor, family) -> bytes ahead where measured (BENCHMARKS.md)
+DEFAULT_PREFETCH_BYTES = 1024
+
+
+def prefetch_bytes() -> int:
+    """How far ahead the 4-bit and GGUF kernels prefetch their weights on this CPU: HYDRASPEC_PREFETCH_BYTES, else
+    the distance measured for this CPU family (Zen 5: 4096 bytes; verify forwards of 3-16 tokens 4-15 % quicker
+    than at 1024), else 1024 (measured on the Zen 4 for one row)."""
+    env = os.environ.get("HYDRASPEC_PREFETCH_BYTES")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"HYDRASPEC_PREFETCH_BYTES must be a number of bytes, got {env!r}")
+        return int(env)
+    return PREFETCH_BYTES.get(_cpu_model(), DEFAULT_PREFETCH_BYTES)
+
+
+def set_prefetch(lib, nbytes: int | None = None) -> None:
+    """The prefetch distance of ``lib``'s 4-bit and GGUF kernels (None: :func:`prefetch_bytes`). Read at every call,
+    so it applies to compiled steps too."""
+    if hasattr(lib, "hs_prefetch_ahead"):  # (an older build, loaded to time against, may lack it)
+        lib.hs_prefetch_ahead(prefetch_bytes() if nbytes is None else int(nbytes))
+
+
 _ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "fma"}, "avx2": {"avx2", "fma"}}  # best first
 
 
@@ -178,6 +214,10 @@ def load_library(so, isa: str):
         lib.hs_attention_dp.argtypes = [ctypes.c_int]
         lib.hs_attention_dp.restype = None
         set_attention_dp(lib)
+    if hasattr(lib, "hs_prefetch_ahead"):
+        lib.hs_prefetch_ahead.argtypes = [ctypes.c_int64]
+        lib.hs_prefetch_ahead.restype = None
+        set_prefetch(lib)
     return lib
 
 

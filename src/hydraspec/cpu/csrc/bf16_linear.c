@@ -213,11 +213,11 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
    wq: [ceil(out/32)][in/4][16][4] bytes: byte 4k+t of step p holds input 4p+t of output k (low nibble) and
    of output k + 16 (high nibble); scale: [ceil(out/32)][in/G][32] fp32. Rows are independent. */
 #define NB4 6
-/* 4-bit and GGUF kernels read their weights this many bytes ahead: with one or a few rows they stream the
-   weights, and a load issued by the loop itself reached ~70-85 % of a bare read loop's speed (docs/cpu-kernels.md) */
-#ifndef PF_AHEAD /* (scripts/prefetch_probe.py builds other distances) */
-#define PF_AHEAD 1024
-#endif
+/* 4-bit and GGUF kernels prefetch their weights this many bytes ahead: with one or a few rows they stream the
+   weights, and a load issued by the loop itself reached ~70-85 % of a bare read loop's speed. How far ahead pays
+   depends on the CPU (docs/cpu-kernels.md): the loader sets it (hs_prefetch_ahead) before any call. */
+static int64_t g_pf_ahead = 1024;
+void hs_prefetch_ahead(int64_t bytes) { g_pf_ahead = bytes; }
 /* Step p (4 inputs of 32 outputs) of a packed 4-bit weight block at wb, or 6-bit (six) with its top bits at hb,
    as two vectors of codes: w0 for outputs 0-15, w1 for 16-31, four inputs to a 32-bit lane */
 static inline void unpack_step(const uint8_t* wb, const uint8_t* hb, int six, int64_t p, __m512i* w0, __m512i* w1) {
@@ -237,13 +237,14 @@ static inline void unpack_step(const uint8_t* wb, const uint8_t* hb, int six, in
 VNNI static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4, const uint8_t* wb, \
                         const float* sb, const float* sx, uint16_t* y, int64_t out, int64_t o0, int64_t width, \
                         const float* bias) { \
+    const int64_t pf = g_pf_ahead; \
     __m512 f0[N], f1[N]; \
     _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
     for (int64_t p0 = 0, g = 0; p0 < in4; p0 += g4, g++) { \
         __m512i a0[N], a1[N]; \
         _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
         for (int64_t p = p0; p < p0 + g4; p++) { \
-            _mm_prefetch((const char*)(wb + p * 64 + PF_AHEAD), _MM_HINT_T0); \
+            _mm_prefetch((const char*)(wb + p * 64 + pf), _MM_HINT_T0); \
             __m512i w0, w1; \
             unpack_step(wb, NULL, 0, p, &w0, &w1); \
             _Pragma("GCC unroll 6") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
@@ -291,6 +292,7 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
     int64_t in4 = c->in / 4, g4 = c->G / 4, ng = c->in / c->G, o0 = b * OB; \
     int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
     GGUF_BLOCK_PTRS(B, M) \
+    const int64_t pf = g_pf_ahead; \
     __m512 d0 = _mm512_setzero_ps(), d1 = d0, dm0 = d0, dm1 = d0; \
     __m512 f0[N], f1[N]; \
     _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { f0[j] = _mm512_setzero_ps(); f1[j] = _mm512_setzero_ps(); } \
@@ -299,9 +301,9 @@ VNNI static void g##B##M##_##N(const gguf_call* c, const gguf_rows* q, int64_t b
         _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { a0[j] = _mm512_setzero_si512(); a1[j] = _mm512_setzero_si512(); } \
         for (int64_t p = g * g4; p < (g + 1) * g4; p++) { \
             __m512i w0, w1; \
-            _mm_prefetch((const char*)(wb + p * (B == 8 ? 128 : 64) + PF_AHEAD), _MM_HINT_T0); \
-            if (B == 8) _mm_prefetch((const char*)(wb + p * 128 + 64 + PF_AHEAD), _MM_HINT_T0); \
-            if (B == 6 && (p & 1) == 0) _mm_prefetch((const char*)(hb + p * 32 + PF_AHEAD / 2), _MM_HINT_T0); \
+            _mm_prefetch((const char*)(wb + p * (B == 8 ? 128 : 64) + pf), _MM_HINT_T0); \
+            if (B == 8) _mm_prefetch((const char*)(wb + p * 128 + 64 + pf), _MM_HINT_T0); \
+            if (B == 6 && (p & 1) == 0) _mm_prefetch((const char*)(hb + p * 32 + pf / 2), _MM_HINT_T0); \
             if (B != 8) unpack_step(wb, hb, B == 6, p, &w0, &w1); \
             else { w0 = _mm512_loadu_si512(wb + p * 128); w1 = _mm512_loadu_si512(wb + p * 128 + 64); } \
             _Pragma("GCC unroll 12") for (int j = 0; j < N; j++) { __m512i xv = _mm512_set1_epi32(xq[p * N + j]); \
