@@ -139,6 +139,35 @@ def test_outputs_do_not_depend_on_how_blocks_are_handed_to_threads(type_name):
         assert torch.equal(many, out[0][0]) and torch.equal(one, out[0][1])
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_outputs_do_not_depend_on_the_prefetch_distance(type_name, monkeypatch):
+    """How far ahead the kernels prefetch their weights (set per CPU, HYDRASPEC_PREFETCH_BYTES overrides) changes
+    no output bit, at one row and several; a distance that is not a number of bytes is refused by name."""
+    import hydraspec.cpu.gguf as gw
+    from hydraspec.cpu import kernels
+
+    lib = gw._gguf_lib()
+    if lib is None or not hasattr(lib, "hs_prefetch_ahead"):
+        pytest.skip("no native kernel with a prefetch distance on this CPU")
+    lin = GGUFLinear(decode(type_name, random_tensor(type_name, 300, 512, seed=4), 300, 512))
+    x = torch.randn(7, 512).bfloat16()
+    out = []
+    try:
+        for nbytes in (0, 1024, 4096, 1 << 16):
+            kernels.set_prefetch(lib, nbytes)
+            with torch.no_grad():
+                out.append((lin(x), lin(x[:1])))
+    finally:
+        kernels.set_prefetch(lib)
+    for many, one in out[1:]:
+        assert torch.equal(many, out[0][0]) and torch.equal(one, out[0][1])
+    monkeypatch.setenv("HYDRASPEC_PREFETCH_BYTES", "2048")
+    assert kernels.prefetch_bytes() == 2048
+    monkeypatch.setenv("HYDRASPEC_PREFETCH_BYTES", "4k")
+    with pytest.raises(ValueError, match="HYDRASPEC_PREFETCH_BYTES"):
+        kernels.prefetch_bytes()
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_joined_siblings_compute_what_each_weight_computes(native, monkeypatch):
     """q/k/v (or gate/up) joined into one weight give each projection exactly its own output, whatever
