@@ -6,10 +6,11 @@ process, round by round alternating with this one's (--against REV), and llama.c
 batch sizes after the same prefix on the same file and threads (--llama-bench: llama-bench -p ... -d).
 
     python benchmarks/verify_curve.py qwen2.5-coder-1.5b-instruct [--against 8b39aae] [--llama-bench]
-        [--sizes 1,2,...] [--prefix 512] [--rounds 7] [--json out.json] [--compile]
+        [--sizes 1,2,...] [--prefix 512] [--rounds 7] [--json out.json] [--compile] [--prefetch 1024,4096]
 
 --compile times the compiled steps that decoding uses (forwards of up to 16 tokens; longer ones run eagerly);
-they hold this build's kernels, so --against is eager only.
+they hold this build's kernels, so --against is eager only. --prefetch times this build at several distances of its
+weights' prefetch, alternating as --against does (compiled steps too: the distance is read at every call).
 """
 import argparse
 import json
@@ -46,14 +47,17 @@ def older_kernels(rev: str, out: Path):
 
 
 def our_curves(model, libs: dict, sizes: list[int], prefix: int, rounds: int) -> dict:
-    """{version: {n: median ms}}: every round times each size once with each library, in turn."""
+    """{version: {n: median ms}}: every round times each size once with each version, in turn. ``libs``: version ->
+    (library, its prefetch distance in bytes, or None for its own)."""
     cache, vocab, g = prefilled(model, prefix, max(sizes))
     times = {name: {n: [] for n in sizes} for name in libs}
     for r in range(rounds + 1):  # the first round warms up and is not counted
         for n in sizes:
-            for name, lib in libs.items():
+            for name, (lib, ahead) in libs.items():
                 with kernels.chosen_library(lib):
+                    kernels.set_prefetch(lib, ahead)
                     ms = forward_seconds(model, cache, prefix, n, vocab, g) * 1e3
+                    kernels.set_prefetch(lib)
                 if r:
                     times[name][n].append(ms)
         print(f"round {r}/{rounds}", file=sys.stderr, flush=True)
@@ -79,17 +83,19 @@ def main() -> None:
     ap.add_argument("--llama-bench", action="store_true", help="also time llama.cpp on the same file")
     ap.add_argument("--json", help="write the curves here")
     ap.add_argument("--compile", action="store_true", help="the compiled steps (not with --against)")
+    ap.add_argument("--prefetch", help="this build at each of these prefetch distances in bytes (e.g. 1024,4096)")
     a = ap.parse_args()
     if a.compile and a.against:
         sys.exit("--against times eager forwards only: the compiled steps hold this build's kernels")
     torch.set_num_threads(a.threads)
     sizes = [int(s) for s in a.sizes.split(",")]
     model, _ = load_model(a.model, quant="gguf", progress=False, compile=a.compile)
-    libs = {"this": kernels.native_lib()}
+    this = kernels.native_lib()
+    libs = {f"prefetch {d}": (this, int(d)) for d in a.prefetch.split(",")} if a.prefetch else {"this": (this, None)}
     tmp = Path(tempfile.mkdtemp())
     try:
         if a.against:
-            libs[a.against] = older_kernels(a.against, tmp)
+            libs[a.against] = (older_kernels(a.against, tmp), None)
         with torch.inference_mode():
             curves = our_curves(model, libs, sizes, a.prefix, a.rounds)
     finally:
