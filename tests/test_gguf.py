@@ -164,7 +164,7 @@ def test_outputs_do_not_depend_on_the_prefetch_distance(type_name, monkeypatch):
     monkeypatch.setenv("HYDRASPEC_PREFETCH_BYTES", "2048")
     assert kernels.prefetch_bytes() == 2048
     monkeypatch.setenv("HYDRASPEC_PREFETCH_BYTES", "4k")
-    with pytest.raises(ValueError, match="HYDRASPEC_PREFETCH_BYTES"):
+    with pytest.raises(HydraspecError, match="HYDRASPEC_PREFETCH_BYTES"):
         kernels.prefetch_bytes()
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import HydraspecError
 from ..home import hydraspec_home
 from .build import compile_library, library_name, prebuilt_dir
 
@@ -72,7 +73,7 @@ def prefetch_bytes() -> int:
     env = os.environ.get("HYDRASPEC_PREFETCH_BYTES")
     if env is not None:
         if not env.isdigit():
-            raise ValueError(f"HYDRASPEC_PREFETCH_BYTES must be a number of bytes, got {env!r}")
+            raise HydraspecError(f"HYDRASPEC_PREFETCH_BYTES must be a number of bytes, got {env!r}")
         return int(env)
     return PREFETCH_BYTES.get(_cpu_model(), DEFAULT_PREFETCH_BYTES)
 
