@@ -55,9 +55,8 @@ def our_curves(model, libs: dict, sizes: list[int], prefix: int, rounds: int) ->
         for n in sizes:
             for name, (lib, ahead) in libs.items():
                 with kernels.chosen_library(lib):
-                    kernels.set_prefetch(lib, ahead)
+                    kernels.set_prefetch(lib, ahead)  # each version sets its own distance before it is timed
                     ms = forward_seconds(model, cache, prefix, n, vocab, g) * 1e3
-                    kernels.set_prefetch(lib)
                 if r:
                     times[name][n].append(ms)
         print(f"round {r}/{rounds}", file=sys.stderr, flush=True)

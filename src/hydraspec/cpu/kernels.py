@@ -41,25 +41,24 @@ from .build import compile_library, library_name, prebuilt_dir
 
 
 @lru_cache(maxsize=1)
-def _cpu_flags() -> set[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
     except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+        return {}
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first if ":" in line)}
 
 
 @lru_cache(maxsize=1)
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo().get("flags", "").split())
+
+
 def _cpu_model() -> tuple[str, int]:
-    """(vendor, family) of this CPU from /proc/cpuinfo (("", 0) where unknown)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "", 0
-    first = text.split("\n\n")[0].splitlines()  # the first processor's block
-    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first if ":" in line)}
-    family = fields.get("cpu family", "")
-    return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
+    """(vendor, family) of this CPU (("", 0) where unknown)."""
+    family = _cpuinfo().get("cpu family", "")
+    return _cpuinfo().get("vendor_id", ""), int(family) if family.isdigit() else 0
 
 
 PREFETCH_BYTES = {("AuthenticAMD", 26): 4096}  # (vendor, family) -> bytes ahead where measured (BENCHMARKS.md)
@@ -68,8 +67,7 @@ DEFAULT_PREFETCH_BYTES = 1024
 
 def prefetch_bytes() -> int:
     """How far ahead the 4-bit and GGUF kernels prefetch their weights on this CPU: HYDRASPEC_PREFETCH_BYTES, else
-    the distance measured for this CPU family (Zen 5: 4096 bytes; verify forwards of 3-16 tokens 4-15 % quicker
-    than at 1024), else 1024 (measured on the Zen 4 for one row)."""
+    the distance measured for this CPU family (PREFETCH_BYTES; docs/cpu-kernels.md), else 1024."""
     env = os.environ.get("HYDRASPEC_PREFETCH_BYTES")
     if env is not None:
         if not env.isdigit():

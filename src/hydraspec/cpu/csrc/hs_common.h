@@ -72,30 +72,37 @@ static inline void transpose_rows(const uint16_t* xb, int64_t n, int64_t in, int
    out [in4][nr]), and each row's scale (absmax/127, 1 for an all-zero row; round half to even: the
    arithmetic of hydraspec.kernels.quantize_rows). Codes are q + offset: 128 gives vpdpbusd's unsigned
    operand, 0 the signed one. Inputs past `in` are coded as zeros. 0, or -1 when out of memory. */
+/* The largest |x| of n bf16 values, eight lanes at a time (a NaN input is skipped); the same maximum as one at a
+   time */
+static inline float absmax_bf16(const uint16_t* x, int64_t n) {
+    __m256 m = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
+        m = _mm256_max_ps(_mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff))), m);
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int t = 0; t < 8; t++) if (lanes[t] > amax) amax = lanes[t];
+    for (; i < n; i++) {
+        float a = bf2f(x[i]);
+        a = a < 0 ? -a : a;
+        if (a > amax) amax = a;
+    }
+    return amax;
+}
+
 static int quantize_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t in4, int64_t nb, int offset,
                          int32_t* xq, float* sx) {
     uint8_t* codes = (uint8_t*)malloc((size_t)(in4 * 4));
     if (!codes) return -1;
     for (int64_t row = 0; row < n; row++) {
         const uint16_t* x = xb + row * in;
-        float amax = 0.0f;
-        int64_t i = 0;
-        __m256 m = _mm256_setzero_ps();
-        for (; i + 8 <= in; i += 8) { /* eight lanes at a time: the same maximum (a NaN input is skipped) */
-            const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
-            m = _mm256_max_ps(_mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff))), m);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m);
-        for (int t = 0; t < 8; t++) if (lanes[t] > amax) amax = lanes[t];
-        for (; i < in; i++) {
-            float a = bf2f(x[i]);
-            a = a < 0 ? -a : a;
-            if (a > amax) amax = a;
-        }
+        const float amax = absmax_bf16(x, in);
         float s = amax > 0.0f ? amax / 127.0f : 1.0f;
         const __m256 sv = _mm256_set1_ps(s);
-        for (i = 0; i + 8 <= in; i += 8) { /* the same divisions and roundings, eight at a time */
+        int64_t i = 0;
+        for (; i + 8 <= in; i += 8) { /* the same divisions and roundings, eight at a time */
             const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
             __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_castsi256_ps(u), sv));
             q = _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));

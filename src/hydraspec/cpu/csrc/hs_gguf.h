@@ -60,24 +60,11 @@ static inline float quantize_group16(const uint16_t* x, int64_t G, int32_t* word
    gets the code sum. Inputs 4p .. 4p+3 go to the int32 word words[p * stride] (a row block's interleaving).
    Eight lanes at a time with AVX2 (both builds have it): the same divisions and roundings as one at a time. */
 static inline float quantize_group(const uint16_t* x, int64_t G, int32_t* words, int64_t stride, int32_t* sum) {
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-    __m256 m = _mm256_setzero_ps();
-    int64_t i = 0;
 #ifdef __AVX512F__
     if (G % 16 == 0) return quantize_group16(x, G, words, stride, sum);
 #endif
-    for (; i + 8 <= G; i += 8) {
-        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
-        m = _mm256_max_ps(_mm256_castsi256_ps(_mm256_and_si256(u, abs_mask)), m); /* a NaN input is skipped */
-    }
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, m);
-    for (int t = 0; t < 8; t++) if (lanes[t] > amax) amax = lanes[t];
-    for (int64_t k = i; k < G; k++) {
-        float a = bf2f(x[k]);
-        a = a < 0 ? -a : a;
-        if (a > amax) amax = a;
-    }
+    const float amax = absmax_bf16(x, G);
+    int64_t i;
     float s = amax > 0.0f ? amax / 127.0f : 1.0f;
     const __m256 sv = _mm256_set1_ps(s);
     const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
