@@ -99,11 +99,14 @@ def native_bf16() -> bool:
 
 
 def describe() -> str:
-    """Which native build runs here ("torch" without one), and whether the fused ops (RMSNorm, attention,
-    rotary embedding, gated MLP) are on."""
+    """Which native build runs here ("torch" without one), whether the fused ops (RMSNorm, attention, rotary
+    embedding, gated MLP) are on, and how far ahead its kernels prefetch weights (:mod:`hydraspec.cpu.prefetch`)."""
     text = kernels.describe()
     if text != "torch" and kernels.fused_lib() is None:
         text += ", fused ops off"  # HYDRASPEC_FUSED=0: those ops in torch
+    ahead = kernels.prefetch_now(kernels.native_lib()) if text != "torch" else None
+    if ahead is not None:
+        text += f", weights prefetched {ahead} B ahead"
     return text
 
 

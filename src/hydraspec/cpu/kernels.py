@@ -55,6 +55,12 @@ def _cpu_flags() -> set[str]:
     return set(_cpuinfo().get("flags", "").split())
 
 
+def cpu_identity() -> str:
+    """This CPU's vendor, family, model number and name (model names alone repeat across generations)."""
+    info = _cpuinfo()
+    return " / ".join(info.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name"))
+
+
 def _cpu_model() -> tuple[str, int]:
     """(vendor, family) of this CPU (("", 0) where unknown)."""
     family = _cpuinfo().get("cpu family", "")
@@ -76,11 +82,21 @@ def prefetch_bytes() -> int:
     return PREFETCH_BYTES.get(_cpu_model(), DEFAULT_PREFETCH_BYTES)
 
 
+_PREFETCH: dict = {}  # library handle -> the distance last set
+
+
 def set_prefetch(lib, nbytes: int | None = None) -> None:
     """The prefetch distance of ``lib``'s 4-bit and GGUF kernels (None: :func:`prefetch_bytes`). Read at every call,
     so it applies to compiled steps too."""
     if hasattr(lib, "hs_prefetch_ahead"):  # (an older build, loaded to time against, may lack it)
-        lib.hs_prefetch_ahead(prefetch_bytes() if nbytes is None else int(nbytes))
+        nbytes = prefetch_bytes() if nbytes is None else int(nbytes)
+        lib.hs_prefetch_ahead(nbytes)
+        _PREFETCH[lib._handle] = nbytes
+
+
+def prefetch_now(lib) -> int | None:
+    """The distance ``lib``'s kernels prefetch at now (None: a build without the setting)."""
+    return _PREFETCH.get(lib._handle)
 
 
 _ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "fma"}, "avx2": {"avx2", "fma"}}  # best first

@@ -16,6 +16,7 @@ from ..cpu import attention as cpu_attention
 from ..cpu import gguf as cpu_gguf
 from ..cpu import gguf_load
 from ..cpu import kernels as cpu_kernels
+from ..cpu import prefetch as cpu_prefetch
 from ..draft_vocab import auto_size, cut_output, kept_ids, trim_draft_vocab
 from ..errors import HydraspecError
 from ..quantize import auto_draft_quant, quantize_draft
@@ -216,6 +217,8 @@ def _cpu_plumbing(model, quant: str, dev: str, prepack: bool | None) -> None:
         if prepack is not False:  # (a draft that is re-quantized next moves once that is done)
             huge_pages(model)
         cpu_kernels.release_free_memory()
+        if quant == "gguf":
+            cpu_prefetch.choose(model)  # timed once per machine, on the weights as they will run
 
 
 def load_model(
