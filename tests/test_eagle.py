@@ -8,6 +8,7 @@ import torch
 
 import tiny
 from hydraspec import HydraspecError, SpeculativeGenerator, make_drafter
+from hydraspec.cache import SpecCache
 from hydraspec.drafters.base import DecodeState
 from hydraspec.drafters.eagle import EagleDrafter
 from hydraspec.features import features
@@ -55,9 +56,10 @@ def _reference_tree(heads, embed, feats, toks, paths):
     return out
 
 
+@pytest.mark.parametrize("capacity", [0, 32])  # a growing cache; slots written in place (the length known)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_drafted_tree_equals_fresh_runs_of_each_path(family, kind):
+def test_drafted_tree_equals_fresh_runs_of_each_path(family, kind, capacity):
     model = tiny.cached_model(family, "sdpa", 1)
     embed = model.get_input_embeddings()
     heads = _head(model, kind, intermediate_size=40)
@@ -65,7 +67,8 @@ def test_drafted_tree_equals_fresh_runs_of_each_path(family, kind):
     seq = [5, 9, 2, 7, 7, 1, 3]
     hidden, _ = _features(model, seq)
     # step 1: the prompt seq[:5] committed, seq[5] pending; step 2: two more tokens committed
-    state = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4])
+    state = DecodeState(tokens=seq[:6], prompt_len=5, sampling=Sampling(), new_hidden=hidden[:5], hidden=hidden[4],
+                        capacity=capacity)
     for end in (5, 7):
         if end == 7:
             state.tokens, state.new_hidden, state.hidden = seq + [4], hidden[5:7], hidden[6]
@@ -79,7 +82,9 @@ def test_drafted_tree_equals_fresh_runs_of_each_path(family, kind):
         for i, path in enumerate(TREE):
             got[tuple(path)] = int(tree.tokens[i])
         assert got == ref
-        assert drafter.rows.of(state).cache.get_seq_length() == end  # the tree's entries were dropped
+        cache = drafter.rows.of(state).cache
+        assert cache.get_seq_length() == end  # the tree's entries were dropped
+        assert isinstance(cache, SpecCache) == (capacity > 0)
     assert len(set(got.values())) > 2  # the head guesses different tokens at different nodes
 
 

@@ -102,7 +102,8 @@ class SlotLayer(CacheLayerMixin):
         self.length = 0
 
     def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
+        """Keep the first ``length`` positions (a negative ``length``: drop that many, as transformers' caches do)."""
+        self.length = min(self.length, length if length >= 0 else max(0, self.length + length))
 
     @torch.inference_mode()
     def keep(self, start: int, idx: torch.Tensor) -> None:

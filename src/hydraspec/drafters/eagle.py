@@ -66,10 +66,15 @@ class EagleDrafter(Drafter):
         self.parents, self.ranks, self.shape = parents, ranks, shape
         self.max_nodes = len(parents)
         self.expand = [i for i in range(len(parents)) if shape.children[i]]  # nodes fed to the head (BFS order)
-        self.rows: RowStates[EagleRow] = RowStates(lambda s: EagleRow(new_cache()))
+        self.rows: RowStates[EagleRow] = RowStates(self._new_row)
 
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
         return [self.propose_one(self.rows.of(s), s) for s in states]
+
+    def _new_row(self, state: DecodeState) -> EagleRow:
+        """A row whose head cache holds its whole sequence and a tree (in place), where its length is known."""
+        room = state.capacity + self.max_nodes + 1 if state.capacity else 0
+        return EagleRow(new_cache(room, len(self.heads.layers)))
 
     def _commit(self, row: EagleRow, state: DecodeState) -> torch.Tensor | None:
         """Feed the head the pairs committed since the last call; returns its output at the last one."""

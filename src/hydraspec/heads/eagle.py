@@ -22,7 +22,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from ..backend import causal_mask, rotary_at
-from ..cache import cache_kwargs
+from ..cache import SpecCache, cache_kwargs
 from ..errors import HydraspecError
 from .modules import Heads
 
@@ -125,5 +125,7 @@ class EagleHeads(Heads):
         return self.project(0, hidden)
 
 
-def new_cache():
-    return DynamicCache()
+def new_cache(capacity: int = 0, layers: int = 1):
+    """The head layers' KV cache: ``capacity`` slots per layer allocated once and written in place (a drafter
+    knows how long its sequence can get), else a growing DynamicCache (training's passes)."""
+    return SpecCache(layers, capacity) if capacity > 0 else DynamicCache()
