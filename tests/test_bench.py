@@ -10,7 +10,7 @@ import pytest
 from hydraspec import HydraspecError
 from hydraspec.bench import add_parser, load_prompt_file, load_questions, parse_methods, run_bench
 from hydraspec.bench import methods as bench_methods
-from hydraspec.bench import stats
+from hydraspec.bench import report, stats
 
 # -- statistics --------------------------------------------------------------------------------------
 
@@ -373,3 +373,23 @@ def test_skip_leaves_out_the_first_questions(tiny, tmp_path):
     assert json.loads((out / "records.jsonl").read_text().splitlines()[0])["settings"]["skip"] == 2
     with pytest.raises(HydraspecError, match="--skip"):
         run_bench(_bench_args(p, tmp_path / "bad", "ar", "--skip", "-1"), loader=tiny)
+
+
+def test_the_chat_categories_are_pooled_where_a_run_has_them():
+    """The chat categories (writing, roleplay, ...) are also summed together: tokens over time of them all, over
+    ar and over the best llama.cpp method; a run with fewer than two of them has no such row."""
+    recs = [_rec("ar", 1, "writing", [_turn(10, 2.0, 10)]), _rec("ar", 2, "qa", [_turn(10, 1.0, 10)]),
+            _rec("ar", 3, "math", [_turn(10, 1.0, 10)]),
+            _rec("pld", 1, "writing", [_turn(10, 1.0, 5)]), _rec("pld", 2, "qa", [_turn(10, 1.0, 5)]),
+            _rec("pld", 3, "math", [_turn(10, 0.1, 1)]),
+            _rec("llamacpp-ar", 1, "writing", [_turn(10, 4.0, None)]), _rec("llamacpp-ar", 2, "qa", [_turn(10, 2.0, None)]),
+            _rec("llamacpp-ar", 3, "math", [_turn(10, 1.0, None)])]
+    s = stats.summarize(recs, ["ar", "pld", "llamacpp-ar"])
+    chat = s["table"]["pld"]["chat"]
+    assert chat["tokens_per_s"] == pytest.approx(10.0)  # 20 tokens in 2 s: math is left out
+    assert chat["speedup_vs_ar"] == pytest.approx(10.0 / (20 / 3.0))
+    assert chat["speedup_vs_best_llamacpp"] == pytest.approx(10.0 / (20 / 6.0))
+    assert chat["mean_accepted"] == pytest.approx(2.0)
+    assert "## The chat categories pooled" in report.markdown(s, {}, {})
+    one = stats.summarize([r for r in recs if r["category"] != "qa"], ["ar", "pld"])
+    assert "chat" not in one["table"]["pld"] and "chat categories" not in report.markdown(one, {}, {})

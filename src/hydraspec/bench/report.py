@@ -150,6 +150,21 @@ def _later_table(summary: dict) -> list[str]:
     return lines + [""]
 
 
+def _chat_table(summary: dict) -> list[str]:
+    rows = [(m, summary["table"][m].get("chat")) for m in summary["methods"]]
+    if not any(c for _, c in rows):
+        return []
+    cats = [c for c in summary["categories"] if c in stats.CHAT]
+    lines = ["## The chat categories pooled", "", f"{', '.join(cats)}: new tokens over wall time of them all.", "",
+             "| Method | Tokens/s | Over ar | Over the best llama.cpp method | Mean accepted |",
+             "|---|---:|---:|---:|---:|"]
+    for m, c in rows:
+        if c:
+            lines.append(f"| {_label(summary, m)} | {_f(c['tokens_per_s'], 1)} | {_x(c.get('speedup_vs_ar'))} | "
+                         f"{_x(c.get('speedup_vs_best_llamacpp'))} | {_f(c['mean_accepted'])} |")
+    return lines + [""]
+
+
 def _speed_table(summary: dict) -> list[str]:
     lines = ["| Method | TTFT s | Decode tok/s | Overall tok/s |", "|---|---:|---:|---:|"]
     for m in summary["methods"]:
@@ -203,6 +218,7 @@ def markdown(summary: dict, machine: dict, settings: dict) -> str:
             "",
         ] if best_lc else []),
         *_draft_table(summary),
+        *_chat_table(summary),
         *_later_table(summary),
         "## Time to first token and decoding speed",
         "",

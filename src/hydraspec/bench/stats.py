@@ -22,12 +22,14 @@ Definitions (per category and overall, over a method's records):
     best llama.cpp  = the llamacpp-* method with the most tokens/s overall, leaving out speculating ones
                       (all but llamacpp-ar) that drafted nothing or did not record drafting: those decoded
                       plainly, or cannot be shown not to have
+    chat            = the chat categories of Spec-Bench (CHAT) pooled, where a run has two or more of them
 """
 from __future__ import annotations
 
 SPLIT_KEYS = ("prefill_s", "draft_s", "verify_s", "accept_s")
 BASELINES = ("ar", "hf-ar", "llamacpp-ar")  # speedups are given over each of these present
 REFERENCES = ("ar", "hf-ar")  # whose answers the others are compared with, the first present
+CHAT = ("writing", "roleplay", "reasoning", "stem", "humanities", "qa")  # Spec-Bench's conversational categories
 
 
 def first_divergence(a, b) -> int | None:
@@ -198,8 +200,11 @@ def summarize(records, methods=None, temperature: float = 0.0, seed: int | None 
             table[m]["later_turns"] = cell(later[m], later, reference, greedy) if later[m] else None
     llamacpp = llamacpp_summary(table, present)
     best = llamacpp["best"]
+    chat = [c for c in cats if c in CHAT]
     for m in present:
         row = table[m]
+        if len(chat) > 1:
+            row["chat"] = pooled(by_method, m, chat, reference, greedy, best)
         row["overall"]["speedup_vs_best_llamacpp"] = speedup(by_method[m], by_method[best]) if best else None
         for c, cell_ in row["categories"].items():
             base = [r for r in by_method[best] if r["category"] == c] if best else []
@@ -208,6 +213,15 @@ def summarize(records, methods=None, temperature: float = 0.0, seed: int | None 
     return {"reference": reference, "temperature": temperature, "greedy": greedy,
             "seed": None if greedy else seed, "categories": cats, "methods": present, "table": table,
             "llamacpp": llamacpp}
+
+
+def pooled(by_method: dict, m: str, cats: list[str], reference: str | None, greedy: bool, best: str | None) -> dict:
+    """:func:`cell` of method ``m`` over the categories ``cats`` together, with its speedup over the best
+    llama.cpp method on them."""
+    within = {k: [r for r in recs if r["category"] in cats] for k, recs in by_method.items()}
+    out = cell(within[m], within, reference, greedy)
+    out["speedup_vs_best_llamacpp"] = speedup(within[m], within[best]) if best else None
+    return out
 
 
 def is_llamacpp_speculation(method: str) -> bool:
