@@ -393,3 +393,29 @@ def test_the_chat_categories_are_pooled_where_a_run_has_them():
     assert "## The chat categories pooled" in report.markdown(s, {}, {})
     one = stats.summarize([r for r in recs if r["category"] != "qa"], ["ar", "pld"])
     assert "chat" not in one["table"]["pld"] and "chat categories" not in report.markdown(one, {}, {})
+
+
+def test_methods_take_turns_at_going_first():
+    """On every other question our methods answer in the reverse order (and the peers' after them, also
+    reversed), each turn of a question in the same order; every answer is stored under its own method."""
+    from types import SimpleNamespace
+
+    from hydraspec.bench.runner import answer_all, turn_order
+
+    calls, stored = [], []
+    store = SimpleNamespace(append=stored.append, records=stored, path="x")
+    qs = [SimpleNamespace(question_id=i, category="c", source="s", turns=["hi", "more"]) for i in range(3)]
+
+    def answer(m, q, t, messages, max_new):
+        calls.append((q.question_id, t, m))
+        return SimpleNamespace(text=f"{m}{q.question_id}{t}", to_dict=lambda: {"new_tokens": 1})
+
+    args = SimpleNamespace(turns=None, max_new_tokens=4)
+    answer_all(args, store, [(q, ["ar", "pld"]) for q in qs], answer)
+    assert calls == [(0, 0, "ar"), (0, 0, "pld"), (0, 1, "ar"), (0, 1, "pld"),
+                     (1, 0, "pld"), (1, 0, "ar"), (1, 1, "pld"), (1, 1, "ar"),
+                     (2, 0, "ar"), (2, 0, "pld"), (2, 1, "ar"), (2, 1, "pld")]
+    assert sorted((r["question_id"], r["method"]) for r in stored) == [(i, m) for i in range(3) for m in ("ar", "pld")]
+    ms = ["ar", "llamacpp-ar", "auto", "llamacpp-ngram-mod"]  # ours first, each group reversed on odd questions
+    assert turn_order(ms, 0) == ["ar", "auto", "llamacpp-ar", "llamacpp-ngram-mod"]
+    assert turn_order(ms, 1) == ["auto", "ar", "llamacpp-ngram-mod", "llamacpp-ar"]

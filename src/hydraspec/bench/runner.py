@@ -21,6 +21,7 @@ from .prompts import load_questions
 from .store import RecordStore
 
 WARMUP_TOKENS = 16
+PEERS = ("llamacpp-", "ov-", "hf-")  # the methods of other engines (turn_order)
 
 
 def settings_of(args) -> dict:
@@ -115,13 +116,23 @@ def load_answerer(args, loader, pending):
     return ctx, answer
 
 
+def turn_order(methods: list[str], i: int) -> list[str]:
+    """The order the methods answer question ``i`` in: hydraspec's own first, then the peers' (other engines,
+    run as servers or libraries), each group in the given order on even questions and reversed on odd ones, so
+    that of two of our methods neither always goes first nor always follows a peer's run."""
+    ours = [m for m in methods if not m.startswith(PEERS)]
+    peers = [m for m in methods if m.startswith(PEERS)]
+    return ours + peers if i % 2 == 0 else ours[::-1] + peers[::-1]
+
+
 def answer_all(args, store: RecordStore, pending, answer) -> None:
     """Every pending question, turn by turn, every method on a turn back to back (each with its own earlier
-    answers); a question's record is stored when its last turn is answered."""
+    answers) in :func:`turn_order`; a question's record is stored when its last turn is answered."""
     bar = tqdm(total=sum(len(ms) for _, ms in pending), unit="answer", desc="bench", file=sys.stderr,
                dynamic_ncols=True, mininterval=0.5)
     try:
-        for q, ms in pending:
+        for i, (q, ms) in enumerate(pending):
+            ms = turn_order(ms, i)
             convs = {m: [] for m in ms}
             turns = {m: [] for m in ms}
             asked = q.turns[:args.turns] if getattr(args, "turns", None) else q.turns
