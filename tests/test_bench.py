@@ -382,7 +382,8 @@ def test_the_chat_categories_are_pooled_where_a_run_has_them():
             _rec("ar", 3, "math", [_turn(10, 1.0, 10)]),
             _rec("pld", 1, "writing", [_turn(10, 1.0, 5)]), _rec("pld", 2, "qa", [_turn(10, 1.0, 5)]),
             _rec("pld", 3, "math", [_turn(10, 0.1, 1)]),
-            _rec("llamacpp-ar", 1, "writing", [_turn(10, 4.0, None)]), _rec("llamacpp-ar", 2, "qa", [_turn(10, 2.0, None)]),
+            _rec("llamacpp-ar", 1, "writing", [_turn(10, 4.0, None)]),
+            _rec("llamacpp-ar", 2, "qa", [_turn(10, 2.0, None)]),
             _rec("llamacpp-ar", 3, "math", [_turn(10, 1.0, None)])]
     s = stats.summarize(recs, ["ar", "pld", "llamacpp-ar"])
     chat = s["table"]["pld"]["chat"]
