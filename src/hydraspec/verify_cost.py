@@ -2,7 +2,6 @@
 (kept on disk), and read as a curve (linear between the measured sizes and beyond the last two)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -15,7 +14,7 @@ import torch
 
 from . import backend
 from .cache import new_cache, text_config
-from .home import hydraspec_home, installed_version
+from .home import installed_version, keep_json, kept_path
 from .verify import forward_nodes
 
 SIZES = tuple(range(1, 17)) + (20, 24, 32)  # every small size: kernels work in row blocks, so cost is not smooth
@@ -40,8 +39,7 @@ def stored_cost_path(model, sizes=SIZES, prefix: int = PREFIX, repeats: int = RE
     what = [installed_version("hydraspec"), type(model).__name__, model.config.to_json_string(use_diff=False), str(model.dtype), layers,
             getattr(model.config, "_name_or_path", ""), backend.cpu_model(), os.cpu_count(), torch.get_num_threads(),
             backend.build_id(), backend.describe(), list(sizes), prefix, repeats]
-    key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
-    return hydraspec_home() / "verify-cost" / f"{key}.json"
+    return kept_path("verify-cost", what)
 
 
 @torch.inference_mode()
@@ -74,15 +72,8 @@ def read_stored(path, sizes) -> dict[int, float] | None:
 
 
 def store(path, out: dict[int, float]) -> None:
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({str(n): t for n, t in out.items()}))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home: measured again next time
+    if path is not None:
+        keep_json(path, {str(n): t for n, t in out.items()})
 
 
 def time_sizes(model, sizes, prefix: int, repeats: int) -> dict[int, float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,7 +18,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ..home import hydraspec_home, installed_version
+from ..home import hydraspec_home, installed_version, keep_json
 
 __all__ = ["Layout", "file_layout", "index_path"]
 
@@ -77,13 +76,7 @@ def _keep(where: Path, layout: Layout) -> None:
     """Write the index (atomically; a read-only home just means reading the header next time)."""
     data = {"arch": layout.arch, "mapping": layout.mapping,
             "tensors": [[n, q.name, r, c, o, b, np.dtype(d).str, list(s)] for n, q, r, c, o, b, d, s in layout.tensors]}
-    try:
-        where.parent.mkdir(parents=True, exist_ok=True)
-        tmp = where.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, where)
-    except OSError:
-        pass
+    keep_json(where, data)
 
 
 def _tensor_from_json(t: list) -> tuple:

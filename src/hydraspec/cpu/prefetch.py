@@ -10,7 +10,6 @@ is kept in the hydraspec home per CPU model, native build and thread count, so l
 ``HYDRASPEC_PREFETCH_BYTES`` overrides all of this."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..home import hydraspec_home
+from ..home import keep_json, kept_path
 from . import build, kernels
 from .gguf import GGUFLinear
 
@@ -104,8 +103,7 @@ def last_level_cache_bytes() -> int:
 def stored_path() -> Path:
     """Where this machine's choice is kept: named by the CPU, the native build and the thread count."""
     what = [kernels.cpu_identity(), build.library_name(kernels.native_isa()), torch.get_num_threads(), CANDIDATES]
-    key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
-    return hydraspec_home() / "kernels" / f"prefetch-{key}.json"
+    return kept_path("kernels", what, "prefetch-")
 
 
 def read_choice(path: Path) -> int | None:
@@ -117,10 +115,4 @@ def read_choice(path: Path) -> int | None:
 
 
 def write_choice(path: Path, nbytes: int) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"prefetch_bytes": nbytes}))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home: timed again next time
+    keep_json(path, {"prefetch_bytes": nbytes})
