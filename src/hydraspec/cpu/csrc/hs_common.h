@@ -72,15 +72,32 @@ static inline void transpose_rows(const uint16_t* xb, int64_t n, int64_t in, int
    out [in4][nr]), and each row's scale (absmax/127, 1 for an all-zero row; round half to even: the
    arithmetic of hydraspec.kernels.quantize_rows). Codes are q + offset: 128 gives vpdpbusd's unsigned
    operand, 0 the signed one. Inputs past `in` are coded as zeros. 0, or -1 when out of memory. */
+/* Eight bf16 values as fp32 lanes */
+static inline __m256 load_bf16x8(const uint16_t* x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)x)), 16));
+}
+
+/* Eight bf16 values over the scale s (sv: s in every lane), rounded half to even and clamped to [-127, 127]: the
+   arithmetic of one value at a time, eight lanes at once */
+static inline __m256i codes_x8(const uint16_t* x, __m256 sv) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(load_bf16x8(x), sv));
+    return _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+}
+
+/* Eight int32 lanes in [-127, 127] as eight int8, in order, in the low eight bytes */
+static inline __m128i bytes_x8(__m256i q) {
+    const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    return _mm_packs_epi16(h16, h16);
+}
+
 /* The largest |x| of n bf16 values, eight lanes at a time (a NaN input is skipped); the same maximum as one at a
    time */
 static inline float absmax_bf16(const uint16_t* x, int64_t n) {
     __m256 m = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
-        m = _mm256_max_ps(_mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff))), m);
-    }
+    for (; i + 8 <= n; i += 8)
+        m = _mm256_max_ps(_mm256_and_ps(load_bf16x8(x + i), abs_mask), m);
     float lanes[8], amax = 0.0f;
     _mm256_storeu_ps(lanes, m);
     for (int t = 0; t < 8; t++) if (lanes[t] > amax) amax = lanes[t];
@@ -103,11 +120,7 @@ static int quantize_rows(const uint16_t* xb, int64_t n, int64_t in, int64_t in4,
         const __m256 sv = _mm256_set1_ps(s);
         int64_t i = 0;
         for (; i + 8 <= in; i += 8) { /* the same divisions and roundings, eight at a time */
-            const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
-            __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_castsi256_ps(u), sv));
-            q = _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
-            const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-            const __m128i b8 = _mm_add_epi8(_mm_packs_epi16(h16, h16), _mm_set1_epi8((char)offset)); /* mod 256 */
+            const __m128i b8 = _mm_add_epi8(bytes_x8(codes_x8(x + i, sv)), _mm_set1_epi8((char)offset)); /* mod 256 */
             _mm_storel_epi64((__m128i*)(codes + i), b8);
         }
         for (; i < in4 * 4; i++) {

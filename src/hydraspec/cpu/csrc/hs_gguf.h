@@ -67,16 +67,11 @@ static inline float quantize_group(const uint16_t* x, int64_t G, int32_t* words,
     int64_t i;
     float s = amax > 0.0f ? amax / 127.0f : 1.0f;
     const __m256 sv = _mm256_set1_ps(s);
-    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
     __m256i acc = _mm256_setzero_si256();
     for (i = 0; i + 8 <= G; i += 8) {
-        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + i))), 16);
-        __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_castsi256_ps(u), sv)); /* round half to even */
-        q = _mm256_max_epi32(_mm256_min_epi32(q, hi), lo);
+        const __m256i q = codes_x8(x + i, sv);
         acc = _mm256_add_epi32(acc, q);
-        /* eight int32 in [-127, 127] -> eight int8, in order: two words */
-        const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        const __m128i b8 = _mm_packs_epi16(h16, h16);
+        const __m128i b8 = bytes_x8(q); /* two words */
         words[(i / 4) * stride] = _mm_cvtsi128_si32(b8);
         words[(i / 4 + 1) * stride] = _mm_extract_epi32(b8, 1);
     }
