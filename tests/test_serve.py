@@ -425,6 +425,38 @@ def test_adaptive_rule_keeps_a_long_match_whose_drafts_are_accepted_whole():
     assert rule.widths(1, [8], [rule.book.row_rates(1)[0]]) == [2]  # one rate for every depth: the same cut
 
 
+def test_adaptive_rule_counts_each_grade_apart():
+    """A row's proposals alternate between a grade that is never accepted (suffix decoding's one-token matches)
+    and one accepted whole (long matches). Counted by grade, the rule verifies all of the second and none of the
+    first; counted together (a first draft taken half the time, deeper ones always) it would keep both whole."""
+    import torch
+
+    from hydraspec.adaptive import AdaptiveDraft
+    from hydraspec.drafters.base import DecodeState
+    from hydraspec.policy import RowStep, StepReport
+    from hydraspec.sampling import Sampling
+    from hydraspec.tree import DraftTree
+
+    rule = AdaptiveDraft({n: 1.0 + 0.1 * (n - 1) for n in (1, 2, 4, 8, 16)}, 8, packed=True, cheap=True)
+    seq = [7] * 4
+
+    def chain(grade):
+        return DraftTree(torch.arange(1, 9), tuple(range(-1, 7)), grade=grade)
+
+    def state():
+        return DecodeState(list(seq), 4, Sampling(), key=0)
+
+    for i in range(60):
+        grade = 8 if i % 2 else 1
+        kept = len(rule.cut([chain(grade)], [state()])[0])
+        truth = list(range(1, 9)) + [50 + i] if grade == 8 else [50 + i]  # what the target decodes next
+        accepted = kept if grade == 8 else 0
+        seq.extend(truth[:accepted + 1])
+        rule.update(StepReport(1, True, 0.01, accepted + 1, [RowStep(0, list(seq), kept, accepted, False)]))
+    assert len(rule.cut([chain(8)], [state()])[0]) == 8
+    assert len(rule.cut([chain(1)], [state()])[0]) == 0
+
+
 def test_adaptive_rule_counts_a_step_whose_proposals_were_all_cut_as_drafting():
     """A step that asked the drafter paid for its proposals even when the cut kept none of them: it is measured
     as drafting, not as the plain decoding it is compared with (else the plain side looks slower than it is)."""

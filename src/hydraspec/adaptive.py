@@ -10,7 +10,9 @@ expected to beat it by PAY_MARGIN (the model leaves out per-row drafting and acc
 the rows). A drafter whose proposals cost next to nothing (prompt lookup) always gets k_max here.
 
 After drafting, :meth:`AdaptiveDraft.widths` cuts each row's actual proposal with each row's own rates by
-depth (hydraspec.tally; its own counts, with every row's as prior): where the engine verifies rows packed
+depth (hydraspec.tally; its own counts, with every row's as prior), counted apart for each grade of proposal
+(``DraftTree.grade``: suffix decoding's match length, so a one-token match's tree is valued as those fare and a
+long match's as long matches do): where the engine verifies rows packed
 (each row's nodes cost only themselves) the i-th draft of row b is worth the chance of reaching it,
 r_1 ... r_i, and the rule keeps the drafts worth most as
 long as expected tokens per second still grow; with padded rows it picks one common length. So in a full
@@ -115,7 +117,9 @@ class AdaptiveDraft(ClockCheck):
         self.curve = Curve(cost)
         self.k_max = max(0, int(k_max))
         self.cheap, self.check, self.packed = cheap, check, packed
-        self.book = AcceptanceBook()
+        self.book = AcceptanceBook()  # proposals without a grade, and every rate the rule asks before drafting
+        self.graded: dict[int, AcceptanceBook] = {}  # grade -> its own book (DraftTree.grade)
+        self.grade_of: dict[int, int] = {}  # sequence -> the grade of its last proposal
         self.last: dict[int, int] = {}
 
     def cost(self, n: int) -> float:
@@ -185,21 +189,34 @@ class AdaptiveDraft(ClockCheck):
         self.last[rows] = k
         return k
 
+    def book_of(self, grade: int) -> AcceptanceBook:
+        """Where proposals of ``grade`` are counted: graded ones apart, so that a long match's proposal is valued
+        as long matches fare (hydraspec.drafters.suffix.match_grade)."""
+        return self.book if not grade else self.graded.setdefault(grade, AcceptanceBook())
+
     def cut(self, trees: list[DraftTree], states: list[DecodeState], extra: int = 0) -> list[DraftTree]:
         """Each row keeps :meth:`widths` of its proposal; a cut chain is scored later as if verified."""
-        keep = self.widths(len(trees), [len(t) for t in trees], [self.book.row_rates(s.key) for s in states],
+        for tree, s in zip(trees, states):
+            self.grade_of[s.key] = tree.grade
+        books = [self.book_of(t.grade) for t in trees]
+        keep = self.widths(len(trees), [len(t) for t in trees], [b.row_rates(s.key) for b, s in zip(books, states)],
                            extra)
         out = []
-        for tree, s, w in zip(trees, states, keep):
+        for tree, s, w, book in zip(trees, states, keep, books):
             if w < len(tree):
                 if shape_of(tree.with_root()).is_chain:
-                    self.book.shadow(s.key, len(s.tokens), tree.tokens.tolist())
+                    book.shadow(s.key, len(s.tokens), tree.tokens.tolist())
                 tree = tree.head(w)
             out.append(tree)
         return out
 
     def update(self, report: StepReport) -> None:
-        self.book.update(report.row_steps)
+        for grade, book in [(0, self.book), *self.graded.items()]:
+            book.update([s for s in report.row_steps if self.grade_of.get(s.key, 0) == grade])
+            book.settle([s for s in report.row_steps if self.grade_of.get(s.key, 0) != grade])
+        for s in report.row_steps:
+            if s.done:
+                self.grade_of.pop(s.key, None)
         self.observe(report.rows, int(report.drafted), report.seconds, report.emitted)
 
     def describe(self) -> str:

@@ -89,6 +89,16 @@ class AcceptanceBook:
                 self.rows.pop(s.key, None)
                 self.shadows.pop(s.key, None)
 
+    def settle(self, steps: list[RowStep]) -> None:
+        """Score the shadows the steps' tokens decide and forget finished rows, counting nothing else (steps
+        counted in another book)."""
+        for s in steps:
+            if s.key in self.shadows:
+                self._score_shadow(s)
+            if s.done:
+                self.rows.pop(s.key, None)
+                self.shadows.pop(s.key, None)
+
     def _score_shadow(self, s: RowStep) -> None:
         at, tokens = self.shadows[s.key]
         m = shadow_accepted(tokens, s.tokens[at:])
