@@ -12,6 +12,7 @@ from torch import nn
 from .cpu import attention, build, gguf, graph, kernels, mlp, norm, pages, quantized, rope
 from .cpu.graph import causal_mask
 from .cpu.ops import rotary_at
+from .shared_input import fuse_siblings
 
 __all__ = ["causal_mask", "rotary_at", "prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops",
            "int8_per_row", "W4_GROUPS", "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id",
@@ -25,11 +26,15 @@ def prepack(module: nn.Module) -> int:
 
 def quantize_drafting(module: nn.Module) -> int:
     """A module that only drafts, bf16 on a CPU with the native int8 kernel: its Linear layers as 4-bit codes
-    times int8 activations (``cpu.quantized.W4A8Linear``), as draft models run. Returns how many (0 elsewhere)."""
+    times int8 activations (``cpu.quantized.W4A8Linear``), as draft models run, and the sibling projections of
+    a layer (q/k/v, gate/up) joined into one kernel call each (hydraspec.shared_input: the same outputs).
+    Returns how many layers were quantised (0 elsewhere)."""
     p = next(module.parameters(), None)
     if p is None or p.device.type != "cpu" or p.dtype != torch.bfloat16 or kernels.int8_dot_lib() is None:
         return 0
-    return quantized.quantize_w4a8(module)
+    done = quantized.quantize_w4a8(module)
+    fuse_siblings(module, quantized.can_join_w4a8, quantized.W4A8Linear.concat)
+    return done
 
 
 def unpack(module: nn.Module) -> nn.Module:
