@@ -20,9 +20,12 @@ class Tally:
 
     reached: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
     accepted: list[float] = field(default_factory=lambda: [0.0] * DEPTHS)
+    # own_rates as last computed, by (start, weight); emptied by add (a rule asks them several times a step)
+    known: dict = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, accepted: int, depth: int, decay: float = 1.0) -> None:
         """One proposal of ``depth`` levels verified, ``accepted`` of them accepted along its path."""
+        self.known.clear()
         if decay != 1.0:
             self.reached = [x * decay for x in self.reached]
             self.accepted = [x * decay for x in self.accepted]
@@ -37,11 +40,14 @@ class Tally:
 
     def own_rates(self, start: float = 0.5, weight: float = 2.0) -> list[float]:
         """r_d per depth with no outside prior: depth 1 leans on ``start``, each deeper one on the one above."""
-        out, prev = [], start
-        for a, n in zip(self.accepted, self.reached):
-            prev = (a + prev * weight) / (n + weight)
-            out.append(prev)
-        return out
+        out = self.known.get((start, weight))
+        if out is None:
+            out, prev = [], start
+            for a, n in zip(self.accepted, self.reached):
+                prev = (a + prev * weight) / (n + weight)
+                out.append(prev)
+            self.known[start, weight] = out
+        return list(out)
 
 
 @dataclass

@@ -74,8 +74,16 @@ class EagleHeads(Heads):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the layer computes in (its norms' weights: matrices may sit on quantised kernels)."""
-        return next(p.dtype for p in self.layers.parameters() if p.is_floating_point())
+        """The dtype the layer computes in (its norms' weights: matrices may sit on quantised kernels); found once
+        and again after every conversion (``to``, ``float`` ...: :meth:`_apply`), as every draft step asks it."""
+        found = self.__dict__.get("_dtype")
+        if found is None:
+            found = self.__dict__["_dtype"] = next(p.dtype for p in self.layers.parameters() if p.is_floating_point())
+        return found
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_dtype", None)
+        return super()._apply(fn, *args, **kwargs)
 
     def extra_config(self) -> dict:
         return {"intermediate_size": self.intermediate_size}
