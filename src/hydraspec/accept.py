@@ -22,10 +22,14 @@ class Acceptance:
 
 def accept_greedy(shape: TreeShape, tokens: list[int], logits: torch.Tensor, **_) -> Acceptance:
     """Greedy verification: follow the child whose token is the target's argmax. Exact for greedy decoding."""
-    # tokens: [n] verify-tree tokens; logits: [n, vocab]
-    best = logits.argmax(-1).tolist()
+    # tokens: [n] verify-tree tokens; logits: [n, vocab]. The argmax of node 0 alone first: most walks end
+    # there (its children rejected), and a row's argmax over the vocabulary is most of this function's time;
+    # once the walk goes on, those of every later node (breadth-first order) in one call.
+    best = {0: int(logits[0].argmax())}
     node, path = 0, [0]
     while True:
+        if node not in best:
+            best.update(enumerate(logits[node:].argmax(-1).tolist(), start=node))
         t = best[node]
         for c in shape.children[node]:
             if tokens[c] == t:
