@@ -229,9 +229,9 @@ class Engine:
 
     def _read_whole(self) -> None:
         """Every reading row's unread prompt into the cache, one forward each (a prefill is compute-bound)."""
-        for b, r in enumerate(self.active):
-            if not r.reading:
-                continue
+        reading = [b for b, r in enumerate(self.active) if r.reading]
+        for b in reading:
+            r = self.active[b]
             h = prefill_rows(self.model, self.cache, b, [r.req.ids[r.length:-1]], self.need_hidden, [r.length])[0]
             r.length = len(r.req.ids) - 1
             if h is not None:
@@ -239,7 +239,8 @@ class Engine:
                 if self.keep_hidden:
                     r.hidden_log.append(h.clone())
             self._done_reading(r)
-        use_rows(self.cache, 0, len(self.active))
+        if reading:  # (a row's read used its own row of the cache: every row again)
+            use_rows(self.cache, 0, len(self.active))
 
     @staticmethod
     def _done_reading(r: _Row) -> None:
