@@ -78,7 +78,8 @@ def table(name: str, steps: list, points) -> str:
     one = statistics.median(s for _, s in by[1]) if by.get(1) else None
     lines = [f"{name}: {len(steps)} steps, {sum(e for _, e, _ in steps) / len(steps):.3f} tokens a step, "
              f"{1e3 * sum(s for *_, s in steps) / len(steps):.2f} ms a step",
-             "| tokens | steps | emitted a step | median ms | x one | start-up curve x one |", "|---:|---:|---:|---:|---:|---:|"]
+             "| tokens | steps | emitted a step | median ms | x one | start-up curve x one |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for n in sorted(by):
         ms = 1e3 * statistics.median(s for _, s in by[n])
         rel = f"{ms / (1e3 * one):.2f}" if one else ""
