@@ -211,9 +211,11 @@ class AdaptiveDraft(ClockCheck):
         return out
 
     def update(self, report: StepReport) -> None:
+        steps = report.row_steps
+        grades = [self.grade_of.get(s.key, 0) for s in steps]
         for grade, book in [(0, self.book), *self.graded.items()]:
-            book.update([s for s in report.row_steps if self.grade_of.get(s.key, 0) == grade])
-            book.settle([s for s in report.row_steps if self.grade_of.get(s.key, 0) != grade])
+            book.update([s for s, g in zip(steps, grades) if g == grade])
+            book.settle([s for s, g in zip(steps, grades) if g != grade])
         for s in report.row_steps:
             if s.done:
                 self.grade_of.pop(s.key, None)

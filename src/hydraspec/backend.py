@@ -14,7 +14,7 @@ from .cpu.graph import causal_mask
 from .cpu.ops import rotary_at
 from .shared_input import fuse_siblings
 
-__all__ = ["causal_mask", "rotary_at", "prepack", "quantize_drafting", "unpack", "follow_base", "fuse_ops",
+__all__ = ["causal_mask", "rotary_at", "prepack", "quantize_drafting", "join_w4a8_siblings", "unpack", "follow_base", "fuse_ops",
            "int8_per_row", "W4_GROUPS", "native_bf16", "packed_keyword", "rows_per_pass", "describe", "build_id",
            "cpu_model", "huge_pages", "compile_steps", "release_free_memory"]
 
@@ -33,8 +33,14 @@ def quantize_drafting(module: nn.Module) -> int:
     if p is None or p.device.type != "cpu" or p.dtype != torch.bfloat16 or kernels.int8_dot_lib() is None:
         return 0
     done = quantized.quantize_w4a8(module)
-    fuse_siblings(module, quantized.can_join_w4a8, quantized.W4A8Linear.concat)
+    join_w4a8_siblings(module)
     return done
+
+
+def join_w4a8_siblings(module: nn.Module) -> int:
+    """The w4a8 sibling projections of each layer (q/k/v, gate/up) joined into one kernel call each
+    (hydraspec.shared_input: the same outputs); returns how many joined weights."""
+    return fuse_siblings(module, quantized.can_join_w4a8, quantized.W4A8Linear.concat)
 
 
 def unpack(module: nn.Module) -> nn.Module:

@@ -229,9 +229,8 @@ class Engine:
 
     def _read_whole(self) -> None:
         """Every reading row's unread prompt into the cache, one forward each (a prefill is compute-bound)."""
-        reading = [b for b, r in enumerate(self.active) if r.reading]
-        for b in reading:
-            r = self.active[b]
+        reading = [(b, r) for b, r in enumerate(self.active) if r.reading]
+        for b, r in reading:
             h = prefill_rows(self.model, self.cache, b, [r.req.ids[r.length:-1]], self.need_hidden, [r.length])[0]
             r.length = len(r.req.ids) - 1
             if h is not None:

@@ -80,14 +80,11 @@ class AcceptanceBook:
         self.shadows.setdefault(key, (at, tokens))
 
     def update(self, steps: list[RowStep]) -> None:
+        """Count each step's verified draft (a row with a shadow waiting is counted by the shadow instead)."""
         for s in steps:
-            if s.key in self.shadows:
-                self._score_shadow(s)
-            elif s.depth:
+            if s.depth and s.key not in self.shadows:
                 self.count(s.key, s.accepted, s.depth)
-            if s.done:
-                self.rows.pop(s.key, None)
-                self.shadows.pop(s.key, None)
+        self.settle(steps)
 
     def settle(self, steps: list[RowStep]) -> None:
         """Score the shadows the steps' tokens decide and forget finished rows, counting nothing else (steps

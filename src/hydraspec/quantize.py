@@ -7,9 +7,9 @@ the generated text.
 """
 from __future__ import annotations
 
+from .backend import join_w4a8_siblings
 from .cpu import kernels, quantized
 from .errors import HydraspecError
-from .shared_input import fuse_siblings
 
 __all__ = ["DRAFT_QUANT", "auto_draft_quant", "quantize_draft"]
 
@@ -41,6 +41,6 @@ def quantize_draft(model, how: str | None):
                              "compiler); use int8")
     {"int8": quantized.quantize_int8, "w8a8": quantized.quantize_w8a8, "w4a8": quantized.quantize_w4a8}[how](model)
     if how == "w4a8":  # q/k/v and gate/up in one kernel call each, as at the file's precision
-        fuse_siblings(model, quantized.can_join_w4a8, quantized.W4A8Linear.concat)
+        join_w4a8_siblings(model)
     kernels.release_free_memory()  # the replaced weights' pages
     return model
