@@ -272,7 +272,7 @@ def test_reports_name_the_cpu_kernel(monkeypatch):
         "avx512-bf16dot" if kernels.bf16_dot() else kernels.native_isa())
     assert kernels.describe() == expected
     ahead = kernels.prefetch_now(kernels.native_lib()) if expected != "torch" else None
-    tail = "" if ahead is None else f", weights prefetched {ahead} B ahead"  # (the AVX2 build has no setting)
+    tail = "" if ahead is None else f", weights prefetched {ahead} B ahead"
     assert machine_line(machine_info("bfloat16", "cpu")).endswith(f"CPU kernel {expected}{tail}")
     if expected != "torch":  # a run with HYDRASPEC_FUSED=0 says so
         monkeypatch.setattr(kernels, "fused_lib", lambda: None)

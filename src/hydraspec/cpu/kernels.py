@@ -219,6 +219,10 @@ def load_library(so, isa: str):
         lib.hs_gguf_apply.restype = ctypes.c_int
         lib.hs_gguf_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         lib.hs_gguf_rows.restype = None
+    if hasattr(lib, "hs_prefetch_ahead"):
+        lib.hs_prefetch_ahead.argtypes = [ctypes.c_int64]
+        lib.hs_prefetch_ahead.restype = None
+        set_prefetch(lib)
     if isa != "avx512":
         return lib
     lib.hs_linear_bf16_pairs.argtypes = fn.argtypes
@@ -229,10 +233,6 @@ def load_library(so, isa: str):
         lib.hs_attention_dp.argtypes = [ctypes.c_int]
         lib.hs_attention_dp.restype = None
         set_attention_dp(lib)
-    if hasattr(lib, "hs_prefetch_ahead"):
-        lib.hs_prefetch_ahead.argtypes = [ctypes.c_int64]
-        lib.hs_prefetch_ahead.restype = None
-        set_prefetch(lib)
     return lib
 
 

@@ -205,6 +205,7 @@ static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4
                    const float* bias) { \
     __m256 f[N][2]; \
     const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1); \
+    const int64_t pf = g_pf_ahead; \
     _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { f[j][0] = _mm256_setzero_ps(); f[j][1] = _mm256_setzero_ps(); } \
     for (int64_t p0 = 0, g = 0; p0 < in4; p0 += g4, g++) { \
         __m256i a[N][2]; \
@@ -214,6 +215,7 @@ static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4
             __m256i s[N][2]; \
             _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { s[j][0] = _mm256_setzero_si256(); s[j][1] = _mm256_setzero_si256(); } \
             for (int64_t p = c0; p < c1; p++) { \
+                if (!h) _mm_prefetch((const char*)(wb + p * 64 + pf), _MM_HINT_T0); /* half 1 reads it again */ \
                 __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + p * 64)); \
                 __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + p * 64 + 32)); \
                 if (h) { v0 = _mm256_srli_epi16(v0, 4); v1 = _mm256_srli_epi16(v1, 4); } \
@@ -321,6 +323,7 @@ static void g##B##M##_##GC##_##N(const gguf_call* c, const gguf_rows* q, int64_t
     const int64_t R = B == 4 ? 8 : B == 6 ? 2 : 1; /* steps summed in int16 before widening */ \
     GGUF_BLOCK_PTRS(B, M) \
     const __m256i ones = _mm256_set1_epi16(1); \
+    const int64_t pf = g_pf_ahead; \
     float acc[N][OB]; \
     memset(acc, 0, sizeof(acc)); \
     for (int64_t g = 0, sub = 0, gi = 0; g < ng; g++) { /* group g is group gi of K-quant super-block sub */ \
@@ -336,6 +339,10 @@ static void g##B##M##_##GC##_##N(const gguf_call* c, const gguf_rows* q, int64_t
                     _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) s[j][k] = _mm256_setzero_si256(); \
                 int64_t p = c0; \
                 _Pragma("GCC unroll 1") do { \
+                    if (sw == 0) { /* the first pass over a step streams its weights: fetch ahead */ \
+                        _mm_prefetch((const char*)(wb + p * (B == 8 ? 128 : 64) + pf), _MM_HINT_T0); \
+                        if (B == 8) _mm_prefetch((const char*)(wb + p * 128 + 64 + pf), _MM_HINT_T0); \
+                        if (B == 6 && (p & 1) == 0) _mm_prefetch((const char*)(hb + p * 32 + pf / 2), _MM_HINT_T0); } \
                     _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
                         __m256i w = gguf_wv(B, wb, hb, p, sw + k * (4 / V)), u = B == 8 ? _mm256_abs_epi8(w) : w; \
                         _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) { \

@@ -213,11 +213,6 @@ int hs_linear_w8a8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, 
    wq: [ceil(out/32)][in/4][16][4] bytes: byte 4k+t of step p holds input 4p+t of output k (low nibble) and
    of output k + 16 (high nibble); scale: [ceil(out/32)][in/G][32] fp32. Rows are independent. */
 #define NB4 6
-/* 4-bit and GGUF kernels prefetch their weights this many bytes ahead: with one or a few rows they stream the
-   weights, and a load issued by the loop itself reached ~70-85 % of a bare read loop's speed. How far ahead pays
-   depends on the CPU (docs/cpu-kernels.md): the loader sets it (hs_prefetch_ahead) before any call. */
-static int64_t g_pf_ahead = 1024;
-void hs_prefetch_ahead(int64_t bytes) { g_pf_ahead = bytes; }
 /* Step p (4 inputs of 32 outputs) of a packed 4-bit weight block at wb, or 6-bit (six) with its top bits at hb,
    as two vectors of codes: w0 for outputs 0-15, w1 for 16-31, four inputs to a 32-bit lane */
 static inline void unpack_step(const uint8_t* wb, const uint8_t* hb, int six, int64_t p, __m512i* w0, __m512i* w1) {

@@ -13,6 +13,11 @@
 #endif
 
 #define OB 32 /* outputs per packed weight block */
+/* 4-bit and GGUF kernels prefetch their weights this many bytes ahead: with one or a few rows they stream the
+   weights, and a load issued by the loop itself reached ~70-85 % of a bare read loop's speed. How far ahead pays
+   depends on the CPU (docs/cpu-kernels.md): the loader sets it (hs_prefetch_ahead) before any call. */
+static int64_t g_pf_ahead = 1024;
+void hs_prefetch_ahead(int64_t bytes) { g_pf_ahead = bytes; }
 
 /* How the matmul drivers hand weight blocks to threads: 1 (default) in chunks taken as each thread finishes
    its last (dynamic), 0 in one fixed share per thread (static). A block's outputs do not depend on which
