@@ -324,6 +324,56 @@ class HalfRight(Drafter):
         return out
 
 
+class Follower(HalfRight):
+    """A drafter that follows every step (as an EAGLE head does): its proposal is paid whether it is chosen or
+    not. ``right``: it offers the target's next greedy token, else a wrong one."""
+
+    follows = True
+
+    def __init__(self, answers: dict, right: bool):
+        self.answers, self.right, self.asked = answers, right, 0
+
+    def propose(self, states):
+        self.asked += len(states)
+        out = []
+        for s in states:
+            answer, plen = self.answers[s.tokens[0]]
+            done = len(s.tokens) - plen
+            token = answer[done] if done < len(answer) else 0
+            out.append(DraftTree(torch.tensor([token if self.right else (token + 1) % 50]), chain(1)))
+        return out
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_auto_leaves_a_following_drafter_out_of_new_sequences_where_it_does_not_pay(right, tok):
+    """A following drafter that is always right pays (verify tokens free) and every sequence asks it; one that is
+    never right costs its proposal every step and adds nothing: once its account has seen KEEP_EVIDENCE steps,
+    new sequences leave it out, but for one in KEEP_EXPLORE. Answers are plain decoding's either way."""
+    from hydraspec.drafters.auto import KEEP_EVIDENCE, KEEP_EXPLORE
+
+    m = model()
+    prompts = [[p0] + PROMPTS[i % 3][1:] for i, p0 in enumerate(range(30, 38))]
+    refs = [plain(m, tok, p) for p in prompts]
+    follower = Follower({p[0]: (r, len(p)) for p, r in zip(prompts, refs)}, right)
+    auto = AutoDrafter({"head": follower}, {n: 1.0 for n in (1, 2, 4, 8, 16)})
+    eng = Engine(m, tok, auto, set(), rows=1, capacity=64)
+    asked, steps = [], 0
+    for p, ref in zip(prompts, refs):
+        before = follower.asked
+        req = Request(list(p), N, seed=0)
+        eng.add(req)
+        while eng.busy:
+            eng.step()
+        assert req.result.token_ids == ref
+        asked.append((steps, follower.asked > before))
+        steps += req.result.stats.target_forwards
+    if right:
+        assert all(a for _, a in asked)
+        return
+    late = [a for at, a in asked if at >= KEEP_EVIDENCE + N]
+    assert all(a for at, a in asked if at < KEEP_EVIDENCE) and late and 0 < sum(late) <= math.ceil(len(late) / KEEP_EXPLORE)
+
+
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7)])
 def test_auto_verifies_cheap_offers_side_by_side_and_counts_each_for_its_drafter(sampling, tok):
     """Two cheap drafters, each right on every other step and never on the same one: side by side (greedy,

@@ -41,6 +41,12 @@ branch adds its chances, and it joins where that gives the batch more tokens per
 already paid for). Those chances are learnt apart (``BESIDE``): a drafter whose top token differs from the
 chosen one's is right less often than on average (where drafters agree they are right more often). The
 output never depends on the choice: every proposal is verified by the target.
+
+A drafter that is cheap only because it follows every step (an EAGLE head reading each committed token) is paid
+every step whether it is chosen or not. Its account (``Keep``, pooled over sequences) weighs the tokens the steps
+committed and their seconds against the tokens its own nodes alone gave and what it cost (its proposal, the verify
+rows of its nodes); a new sequence follows it while the steps give more tokens per second with it than they would
+have without it, and once it does not pay, one new sequence in KEEP_EXPLORE still does, to keep measuring.
 """
 from __future__ import annotations
 
@@ -64,6 +70,9 @@ CALIBRATION_DECAY = 0.98  # weight of older verified proposals in a drafter's ca
 CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised at every depth
 NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predicted
 BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
+KEEP_DECAY = 0.995  # weight of older steps in a following drafter's account, per step
+KEEP_EVIDENCE = 64.0  # steps counted before a following drafter may be left out of new sequences
+KEEP_EXPLORE = 4  # while a following drafter does not pay, one new sequence in this many still follows it
 
 
 @dataclass
@@ -112,6 +121,52 @@ class Part:
 
 
 @dataclass
+class Keep:
+    """A following drafter's account over the steps of the sequences that follow it (discounted by step): the
+    tokens the steps committed and their seconds (the verify curve's and the drafting's), and of these the tokens
+    its nodes gave that no other offer had, and the seconds it cost."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    added: float = 0.0
+    spent: float = 0.0
+    steps: float = 0.0
+    left_out: int = 0  # new sequences left without it since one followed it to keep measuring
+
+    def add(self, tokens: float, seconds: float, added: float, spent: float) -> None:
+        k = KEEP_DECAY
+        self.tokens, self.seconds = k * self.tokens + tokens, k * self.seconds + seconds
+        self.added, self.spent, self.steps = k * self.added + added, k * self.spent + spent, k * self.steps + 1
+
+    def pays(self) -> bool:
+        """Whether the steps gave at least as many tokens per second with it as they would have without."""
+        if self.steps < KEEP_EVIDENCE or self.spent >= self.seconds:
+            return True
+        return self.tokens / self.seconds >= (self.tokens - self.added) / (self.seconds - self.spent)
+
+    def follow_new(self) -> bool:
+        """Whether a new sequence follows the drafter (see the module docstring)."""
+        if self.pays():
+            return True
+        self.left_out += 1
+        if self.left_out < KEEP_EXPLORE:
+            return False
+        self.left_out = 0
+        return True
+
+
+@dataclass
+class Ledger:
+    """One row's step as a following drafter's account sees it: the verified tree's nodes, the row's drafting
+    seconds, and per following drafter its nodes in the tree, their extra verify seconds, and the top tokens
+    of the other offers (a token another drafter offered too is not its own gain)."""
+
+    nodes: int
+    drafting: float
+    parts: dict[str, tuple[list[int], float, set[int]]]
+
+
+@dataclass
 class AutoRow:
     tallies: dict[str, Tally] = field(default_factory=dict)
     chosen: str | None = None  # the drafter whose proposal was verified last step
@@ -120,6 +175,8 @@ class AutoRow:
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     known: dict[str, int] = field(default_factory=dict)  # costly drafter not yet used -> Drafter.known, asked once
     shadows: dict[str, tuple[int, list[int], str]] = field(default_factory=dict)  # unverified cheap chains
+    follow: dict[str, bool] | None = None  # following drafter -> whether this sequence asks it (set once)
+    ledger: Ledger | None = None  # the last step, for the following drafters' accounts
 
 
 class AutoDrafter(Drafter):
@@ -146,6 +203,7 @@ class AutoDrafter(Drafter):
         self.seconds = {n: 0.0 for n in drafters}  # recent seconds per proposal of one row
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
+        self.keeps = {n: Keep() for n, d in self.cheap.items() if getattr(d, "follows", False)}  # their accounts
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
 
     # -- proposing --------------------------------------------------------------------------------------
@@ -155,7 +213,9 @@ class AutoDrafter(Drafter):
         self.step = self.packed.forward(forward_rows)
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
-        cheap = {n: self._timed(n, states) for n in self.cheap}
+            if row.follow is None:
+                row.follow = {n: keep.follow_new() for n, keep in self.keeps.items()}
+        cheap = {n: self._timed(n, states, [r.follow.get(n, True) for r in rows]) for n in self.cheap}
         offers = [{n: t[b] for n, t in cheap.items()} for b in range(len(states))]
         out = [DraftTree.empty() for _ in states]
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
@@ -172,6 +232,8 @@ class AutoDrafter(Drafter):
                     out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
         for b, row in enumerate(rows):
             out[b], row.parts = self._parts(row.chosen, out[b], extras[b])
+            if self.keeps:
+                row.ledger = self._ledger(row, out[b], offers[b])
             for n in self.costly:
                 if n == row.chosen:
                     row.tried[n] = 0
@@ -227,11 +289,39 @@ class AutoDrafter(Drafter):
                             [d for d, k in zip(depth, owner) if k == i]))
         return joined, out
 
-    def _timed(self, name: str, states: list[DecodeState]) -> list[DraftTree]:
+    def _timed(self, name: str, states: list[DecodeState], asked: list[bool]) -> list[DraftTree]:
+        """The drafter's proposals for the rows ``asked`` (the others get none), timed per row."""
+        ask = [s for s, a in zip(states, asked) if a]
+        if not ask:
+            return [DraftTree.empty() for _ in states]
         t0 = time.perf_counter()
-        trees = self.drafters[name].propose(states)
-        self._keep_seconds(name, (time.perf_counter() - t0) / len(states))
-        return trees
+        trees = iter(self.drafters[name].propose(ask))
+        self._keep_seconds(name, (time.perf_counter() - t0) / len(ask))
+        return [next(trees) if a else DraftTree.empty() for a in asked]
+
+    def _ledger(self, row: AutoRow, tree: DraftTree, offers: dict[str, DraftTree]) -> Ledger:
+        c, n = self.step, len(tree)
+        drafting = sum(self.seconds[m] for m in self.cheap if row.follow.get(m, True))
+        drafting += self.seconds[row.chosen] if row.chosen in self.costly else 0.0
+        parts = {}
+        for n_ in (m for m, f in row.follow.items() if f):
+            nodes = next((p.nodes for p in row.parts if p.name == n_), [])
+            tops = {int(o.tokens[i]) for m, o in offers.items() if m != n_ for i, p in enumerate(o.parents) if p < 0}
+            parts[n_] = ({i: int(tree.tokens[i]) for i in nodes}, c(1 + n) - c(1 + n - len(nodes)) if nodes else 0.0,
+                         tops)
+        return Ledger(n, drafting, parts)
+
+    def _settle(self, row: AutoRow, v: Verdict) -> None:
+        """A following drafter's account after a row's step."""
+        led, row.ledger = row.ledger, None
+        if led is None:
+            return
+        seconds = self.step(1 + led.nodes) + led.drafting
+        first = v.accepted[0] if v.accepted else None
+        for n, (nodes, extra, tops) in led.parts.items():
+            own = first in nodes and nodes[first] not in tops
+            added = sum(i in nodes for i in v.accepted) if own else 0
+            self.keeps[n].add(len(v.accepted) + 1, seconds, added, self.seconds[n] + extra)
 
     def _keep_seconds(self, name: str, each: float) -> None:
         self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
@@ -328,6 +418,8 @@ class AutoDrafter(Drafter):
         by: dict[str, tuple[list[DecodeState], list[Verdict]]] = {}
         for s, v in zip(states, verdicts):
             row = self.rows.get(s)
+            if row is not None and row.ledger is not None:
+                self._settle(row, v)
             for part in row.parts if row is not None else ():
                 own = Verdict([part.nodes.index(i) for i in v.accepted if i in part.nodes],
                               sum(i < v.verified for i in part.nodes))  # a breadth-first cut keeps a prefix

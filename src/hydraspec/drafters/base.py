@@ -60,12 +60,15 @@ class Drafter:
     the same forward as the proposals (set by the engine before each ``propose``; a paced drafter counts them
     in the step's cost); readers: the rows among them that only read (do not decode). limit: the most nodes a
     row's proposal keeps this step (set by the engine with ``beside``; None: no limit), what a paced drafter
-    weighs its choices on."""
+    weighs its choices on. follows: cheap only because it is asked every step (a head that reads every
+    committed token): its proposal is paid every step, so a chooser may leave it out of a sequence where that
+    costs more than it adds."""
 
     name = "ar"
     needs_hidden = False
     max_nodes = 0
     cheap = False
+    follows = False
     paced = False
     beside = 0
     readers = 0
