@@ -371,7 +371,8 @@ def test_auto_leaves_a_following_drafter_out_of_new_sequences_where_it_does_not_
         assert all(a for _, a in asked)
         return
     late = [a for at, a in asked if at >= KEEP_EVIDENCE + N]
-    assert all(a for at, a in asked if at < KEEP_EVIDENCE) and late and 0 < sum(late) <= math.ceil(len(late) / KEEP_EXPLORE)
+    assert all(a for at, a in asked if at < KEEP_EVIDENCE)
+    assert late and 0 < sum(late) <= math.ceil(len(late) / KEEP_EXPLORE)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7)])

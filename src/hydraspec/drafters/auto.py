@@ -163,7 +163,7 @@ class Ledger:
 
     nodes: int
     drafting: float
-    parts: dict[str, tuple[list[int], float, set[int]]]
+    parts: dict[str, tuple[dict[int, int], float, set[int]]]  # name -> ({node: token}, extra seconds, tops)
 
 
 @dataclass
@@ -232,7 +232,7 @@ class AutoDrafter(Drafter):
                     out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
         for b, row in enumerate(rows):
             out[b], row.parts = self._parts(row.chosen, out[b], extras[b])
-            if self.keeps:
+            if any(row.follow.values()):
                 row.ledger = self._ledger(row, out[b], offers[b])
             for n in self.costly:
                 if n == row.chosen:
@@ -300,16 +300,16 @@ class AutoDrafter(Drafter):
         return [next(trees) if a else DraftTree.empty() for a in asked]
 
     def _ledger(self, row: AutoRow, tree: DraftTree, offers: dict[str, DraftTree]) -> Ledger:
-        c, n = self.step, len(tree)
-        drafting = sum(self.seconds[m] for m in self.cheap if row.follow.get(m, True))
+        c, size = self.step, len(tree)
+        drafting = sum(self.seconds[n] for n in self.cheap if row.follow.get(n, True))
         drafting += self.seconds[row.chosen] if row.chosen in self.costly else 0.0
         parts = {}
-        for n_ in (m for m, f in row.follow.items() if f):
-            nodes = next((p.nodes for p in row.parts if p.name == n_), [])
-            tops = {int(o.tokens[i]) for m, o in offers.items() if m != n_ for i, p in enumerate(o.parents) if p < 0}
-            parts[n_] = ({i: int(tree.tokens[i]) for i in nodes}, c(1 + n) - c(1 + n - len(nodes)) if nodes else 0.0,
-                         tops)
-        return Ledger(n, drafting, parts)
+        for name in (n for n, asked in row.follow.items() if asked):
+            nodes = next((p.nodes for p in row.parts if p.name == name), [])
+            tops = {int(o.tokens[i]) for n, o in offers.items() if n != name for i, p in enumerate(o.parents) if p < 0}
+            extra = c(1 + size) - c(1 + size - len(nodes)) if nodes else 0.0
+            parts[name] = ({i: int(tree.tokens[i]) for i in nodes}, extra, tops)
+        return Ledger(size, drafting, parts)
 
     def _settle(self, row: AutoRow, v: Verdict) -> None:
         """A following drafter's account after a row's step."""
