@@ -157,13 +157,14 @@ class Keep:
 
 @dataclass
 class Ledger:
-    """One row's step as a following drafter's account sees it: the verified tree's nodes, the row's drafting
-    seconds, and per following drafter its nodes in the tree, their extra verify seconds, and the top tokens
-    of the other offers (a token another drafter offered too is not its own gain)."""
+    """One row's step as a following drafter's account sees it: the verified tree, the step's offers (a token
+    another drafter offered too is not the follower's own gain), the row's drafting seconds, and per following
+    drafter its nodes in the tree and their extra verify seconds."""
 
-    nodes: int
+    tree: DraftTree
+    offers: dict[str, DraftTree]
     drafting: float
-    parts: dict[str, tuple[dict[int, int], float, set[int]]]  # name -> ({node: token}, extra seconds, tops)
+    parts: dict[str, tuple[list[int], float]]
 
 
 @dataclass
@@ -306,20 +307,20 @@ class AutoDrafter(Drafter):
         parts = {}
         for name in (n for n, asked in row.follow.items() if asked):
             nodes = next((p.nodes for p in row.parts if p.name == name), [])
-            tops = {int(o.tokens[i]) for n, o in offers.items() if n != name for i, p in enumerate(o.parents) if p < 0}
-            extra = c(1 + size) - c(1 + size - len(nodes)) if nodes else 0.0
-            parts[name] = ({i: int(tree.tokens[i]) for i in nodes}, extra, tops)
-        return Ledger(size, drafting, parts)
+            parts[name] = (nodes, c(1 + size) - c(1 + size - len(nodes)) if nodes else 0.0)
+        return Ledger(tree, offers, drafting, parts)
 
     def _settle(self, row: AutoRow, v: Verdict) -> None:
-        """A following drafter's account after a row's step."""
+        """A following drafter's account after a row's step (the other offers' top tokens looked at only where
+        the accepted path starts at one of its nodes)."""
         led, row.ledger = row.ledger, None
         if led is None:
             return
-        seconds = self.step(1 + led.nodes) + led.drafting
+        seconds = self.step(1 + len(led.tree)) + led.drafting
         first = v.accepted[0] if v.accepted else None
-        for n, (nodes, extra, tops) in led.parts.items():
-            own = first in nodes and nodes[first] not in tops
+        for n, (nodes, extra) in led.parts.items():
+            others = (o for m, o in led.offers.items() if m != n)
+            own = first in nodes and int(led.tree.tokens[first]) not in _tops(others)
             added = sum(i in nodes for i in v.accepted) if own else 0
             self.keeps[n].add(len(v.accepted) + 1, seconds, added, self.seconds[n] + extra)
 
@@ -478,10 +479,14 @@ class AutoDrafter(Drafter):
                 del row.shadows[n]
 
 
+def _tops(trees) -> set[int]:
+    """The tokens at the top (depth 1) of ``trees``."""
+    return {int(t.tokens[i]) for t in trees for i, p in enumerate(t.parents) if p < 0}
+
+
 def _apart(trees: list[DraftTree], offer: DraftTree) -> bool:
     """Whether ``offer``'s top tokens are all different from those of ``trees``."""
-    top = {int(t.tokens[i]) for t in trees for i, p in enumerate(t.parents) if p < 0}
-    return all(int(offer.tokens[i]) not in top for i, p in enumerate(offer.parents) if p < 0)
+    return not _tops(trees) & _tops([offer])
 
 
 def gain(rates: list[float], k: int) -> float:
