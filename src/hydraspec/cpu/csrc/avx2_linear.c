@@ -272,8 +272,10 @@ int hs_linear_w4a8(const uint16_t* xb, int64_t n, int64_t in, const uint8_t* wq,
    min form one fused multiply-subtract), so the two builds agree bit for bit, and a row's result never
    depends on the rows beside it. A pass covers up to NG rows x the 32 outputs of a weight block, in vectors
    of 8 outputs x 4 inputs (outputs 0-7, 8-15: the low nibbles of a step's two 32-byte halves; 16-23, 24-31:
-   their high nibbles), all four at once for one row, two at a time (0 and 2, then 1 and 3: the same bytes)
-   for more, so that the int16 sums of every row stay in registers through a group.
+   their high nibbles), all four at once for up to 3 rows of 4- and 6-bit codes (some of their sums then spill,
+   which costs less than a second pass's loads, unpacking and broadcasts: docs/cpu-kernels.md), two at a time
+   (0 and 2, then 1 and 3: the same bytes) for 4 rows and for 8-bit codes, so that the int16 sums of every row
+   stay in registers through a group.
    vpmaddubsw (u8 x s8 -> saturating int16 pair sums) and vpmaddwd by ones (-> int32) make the integer
    sums, with operands chosen so that nothing saturates:
    - 4-bit codes (<= 15): a pair sum is at most 2 * 15 * 127 = 3810, so 8 steps (32 inputs) add up in int16;
@@ -317,7 +319,7 @@ static inline __attribute__((always_inline)) __m256i add16_to(__m256i acc, __m25
    made for one group size (a loop of known length), else 0. The output vectors are taken V at a time. */
 #define DEFG(N, B, M, GC) \
 static void g##B##M##_##GC##_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0) { \
-    enum { V = N == 1 ? 4 : 2 }; \
+    enum { V = N == 1 || (B != 8 && N <= 3) ? 4 : 2 }; \
     const int64_t in4 = c->in / 4, g4 = GC ? GC : c->G / 4, ng = c->in / c->G, o0 = b * OB; \
     const int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
     const int64_t R = B == 4 ? 8 : B == 6 ? 2 : 1; /* steps summed in int16 before widening */ \
