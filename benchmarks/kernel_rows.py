@@ -90,7 +90,8 @@ def main() -> None:
     with torch.inference_mode():
         for name, make in makers.items():
             layers = [GGUFLinear(make()) for _ in range(copies)]
-            ms = [ms_per_call(layers, r, libs, rounds=6 if a.against else 1, check=not a.arithmetic_differs) for r in rows]
+            rounds = 6 if a.against else 1
+            ms = [ms_per_call(layers, r, libs, rounds=rounds, check=not a.arithmetic_differs) for r in rows]
             for lib in libs:
                 v = [m[lib] for m in ms]
                 per_row = (v[-1] - v[0]) / (rows[-1] - rows[0])
