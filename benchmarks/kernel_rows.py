@@ -87,10 +87,10 @@ def main() -> None:
               "Q4_K 8960 -> 1536": lambda: q4_k(1536, 8960)}
     print("| weight | kernels | " + " | ".join(f"{r} rows" for r in rows) + " | each row past the first |")
     print("|---|---|" + "---:|" * (len(rows) + 1))
+    rounds = 6 if a.against else 1
     with torch.inference_mode():
         for name, make in makers.items():
             layers = [GGUFLinear(make()) for _ in range(copies)]
-            rounds = 6 if a.against else 1
             ms = [ms_per_call(layers, r, libs, rounds=rounds, check=not a.arithmetic_differs) for r in rows]
             for lib in libs:
                 v = [m[lib] for m in ms]

@@ -51,10 +51,15 @@ class EagleDrafter(Drafter):
 
     needs_hidden = True
 
+    @property
+    def follows(self) -> bool:
+        """Following every step is what makes it cheap (Drafter.follows)."""
+        return self.cheap
+
     def __init__(self, heads, embed: torch.nn.Module, paths, min_prob: float = 0.0, follow: bool = False):
         if not 0.0 <= min_prob < 1.0:
             raise HydraspecError(f"min_prob must be in [0, 1), got {min_prob}")
-        self.heads, self.embed, self.min_prob, self.cheap, self.follows = heads, embed, min_prob, follow, follow
+        self.heads, self.embed, self.min_prob, self.cheap = heads, embed, min_prob, follow
         self.name = heads.kind
         if not isinstance(paths, list) or not all(isinstance(p, (list, tuple)) for p in paths):
             paths = load_tree_spec(paths)
