@@ -1,5 +1,6 @@
 """The drafters of everyday prompts: suffix decoding, predicted outputs and the per-request choice (auto)."""
 import math
+import time
 
 import pytest
 import torch
@@ -415,6 +416,53 @@ def test_auto_tries_a_costly_drafter_only_where_its_catch_up_can_pay(budget, tri
     state = DecodeState(prompt, len(prompt), Sampling(), capacity=len(prompt) + budget)
     trees = auto.propose([state])
     assert (oracle.calls == 1) == tries and (len(trees[0]) > 0) == tries
+
+
+class Reader(Drafter):
+    """A costly drafter that first reads a sequence's prompt (``per_token`` seconds a token, slept) and then proposes
+    four tokens a step, which the test below accepts whole."""
+
+    name, cheap, needs_hidden, max_nodes = "reader", False, False, 4
+
+    def __init__(self, per_token: float):
+        self.per_token, self.seen, self.calls = per_token, {}, 0
+
+    def propose(self, states):
+        self.calls += len(states)
+        for s in states:
+            if s.key not in self.seen:
+                time.sleep(self.per_token * len(s.tokens))
+            self.seen[s.key] = len(s.tokens)
+        return [DraftTree(torch.tensor([1, 2, 3, 4]), chain(4)) for _ in states]
+
+
+@pytest.mark.parametrize("steps,pays", [(2, False), (20, True)])
+def test_auto_stops_trying_a_costly_drafter_whose_tries_do_not_repay_their_read(steps, pays):
+    """A drafter right every time whose first read of a prompt costs 30 plain steps: trying it looks worth it on a
+    long budget, but answers of 2 steps never repay the read, so once its trial account has seen TRIAL_EVIDENCE
+    steps, new sequences try it but for one in KEEP_EXPLORE; answers of 20 steps repay it, and every sequence
+    tries it."""
+    from hydraspec.drafters.auto import KEEP_EXPLORE, TRIAL_EVIDENCE
+
+    reader, step = Reader(per_token=0.0006), 0.002
+    auto = AutoDrafter({"reader": reader}, {n: step * (1 + 0.1 * (n - 1)) for n in (1, 2, 4, 8, 16)})
+    tried, counted = [], []
+    for _ in range(12):
+        state = DecodeState(list(range(100)), 100, Sampling(), capacity=300)
+        before = reader.calls
+        counted.append(auto.trials["reader"].steps)
+        for _ in range(steps):
+            tree = auto.propose([state])[0]
+            auto.observe([state], [Verdict(list(range(len(tree))), len(tree))])
+            state.tokens += [7] * (len(tree) + 1)
+        tried.append(reader.calls > before)
+    assert (auto.trials["reader"].saved > 0) == pays
+    if pays:
+        assert all(tried)
+        return
+    late = [t for t, c in zip(tried, counted) if c >= TRIAL_EVIDENCE]
+    assert all(t for t, c in zip(tried, counted) if c < TRIAL_EVIDENCE)
+    assert late and 0 < sum(late) <= math.ceil(len(late) / KEEP_EXPLORE)
 
 
 @pytest.mark.parametrize("all_or_nothing,keeps", [(True, 8), (False, 2)])

@@ -22,25 +22,30 @@ or none (plain decoding). What decides, all measured on this machine and this se
   fare and a one-token match's as those do;
 - the step's node limit a row may keep (``Drafter.limit``, from the engine's step bound).
 
-Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is
-not verified it is still scored against the tokens decoded next (greedy: exactly what verification would
-have accepted), so their estimates stay current at no cost. A drafter with a forward of its own is run only
-when chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could
-beat the best and the time it would save over the rest of the answer outweighs what trying costs: a
-drafter with a forward of its own first reads every token it has not seen (on first use, the prompt less what
-it takes from earlier sequences: ``Drafter.known``), at its measured seconds per token read, and its step
-may give fewer tokens per second than the best option. The rows choose in turn (the most promising first) on
-the batch's expected tokens per second: with T tokens already in the step's forward (one a row, the prompt
-chunks read beside them, the drafts of the rows that chose before) and E tokens expected from it, a row's
-option is worth (E + its expected extra tokens) / (c(T + its nodes) + drafting seconds), plain decoding
-E / c(T): a draft that pays alone does not when others already fill the forward. A costly drafter's proposal
-is cut to the nodes that pay, as a cheap one's is. On a greedy row the cheap drafters' other offers (a head's
-node, prompt lookup's chain beside suffix decoding's) can join the chosen one's tree as branches of their own
-where their top tokens differ: the events that each branch's first draft is right are disjoint then, so a
-branch adds its chances, and it joins where that gives the batch more tokens per second (its proposal is
-already paid for). Those chances are learnt apart (``BESIDE``): a drafter whose top token differs from the
-chosen one's is right less often than on average (where drafters agree they are right more often). The
-output never depends on the choice: every proposal is verified by the target.
+Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is not
+verified it is still scored against the tokens decoded next (greedy: exactly what verification would have
+accepted), so their estimates stay current at no cost. A drafter with a forward of its own is run only when
+chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could beat the best
+and the time it would save over the rest of the answer outweighs what trying costs: a drafter with a forward of
+its own first reads every token it has not seen (on first use, the prompt less what it takes from earlier
+sequences: ``Drafter.known``), at its measured seconds per token read, and its step may give fewer tokens per
+second than the best option. Whether such tries pay is measured too: each one-row step that chose a costly drafter
+is scored against the option it beat (``Trial``, pooled over sequences): the seconds its tokens would have taken
+at that option's expected rate, less what the step cost, its catch-up read included (the try's estimate assumes
+the whole budget is left to write; short answers, and tries that end soon, never repay their read). While a
+drafter's account is below zero, new sequences do not try it, but for one in KEEP_EXPLORE; the steps where it pays
+on its own estimate (read already done) still choose it. The rows choose in turn (the most promising first) on the
+batch's expected tokens per second: with T tokens already in the step's forward (one a row, the prompt chunks read
+beside them, the drafts of the rows that chose before) and E tokens expected from it, a row's option is worth (E +
+its expected extra tokens) / (c(T + its nodes) + drafting seconds), plain decoding E / c(T): a draft that pays
+alone does not when others already fill the forward. A costly drafter's proposal is cut to the nodes that pay, as
+a cheap one's is. On a greedy row the cheap drafters' other offers (a head's node, prompt lookup's chain beside
+suffix decoding's) can join the chosen one's tree as branches of their own where their top tokens differ: the
+events that each branch's first draft is right are disjoint then, so a branch adds its chances, and it joins where
+that gives the batch more tokens per second (its proposal is already paid for). Those chances are learnt apart
+(``BESIDE``): a drafter whose top token differs from the chosen one's is right less often than on average (where
+drafters agree they are right more often). The output never depends on the choice: every proposal is verified by
+the target.
 
 A drafter that is cheap only because it follows every step (an EAGLE head reading each committed token) is paid
 every step whether it is chosen or not. Its account (``Keep``, pooled over sequences) weighs the tokens the steps
@@ -72,7 +77,9 @@ NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predict
 BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
 KEEP_DECAY = 0.995  # weight of older steps in a following drafter's account, per step
 KEEP_EVIDENCE = 64.0  # steps counted before a following drafter may be left out of new sequences
-KEEP_EXPLORE = 4  # while a following drafter does not pay, one new sequence in this many still follows it
+KEEP_EXPLORE = 4  # while a following or costly drafter does not pay, one new sequence in this many still asks it
+TRIAL_DECAY = 0.99  # weight of older steps in a costly drafter's trial account, per step that chose it
+TRIAL_EVIDENCE = 8.0  # steps counted before new sequences may stop trying a costly drafter
 
 
 @dataclass
@@ -107,6 +114,7 @@ class Choice:
     rate: float  # the batch's expected tokens per second
     after: Load  # the step's load with this row's choice in it
     extras: tuple = ()  # (drafter, its cut offer): other cheap offers verified beside it
+    beat: float = 0.0  # a costly drafter's: the rate of the best option it beat
 
 
 @dataclass
@@ -121,7 +129,28 @@ class Part:
 
 
 @dataclass
-class Keep:
+class Rationed:
+    """An account that, while its drafter does not pay, lets one new sequence in KEEP_EXPLORE ask it still (to keep
+    measuring)."""
+
+    left_out: int = 0  # new sequences left without it since one asked it
+
+    def pays(self) -> bool:
+        raise NotImplementedError
+
+    def admit(self) -> bool:
+        """Whether a new sequence asks the drafter."""
+        if self.pays():
+            return True
+        self.left_out += 1
+        if self.left_out < KEEP_EXPLORE:
+            return False
+        self.left_out = 0
+        return True
+
+
+@dataclass
+class Keep(Rationed):
     """A following drafter's account over the steps of the sequences that follow it (discounted by step): the
     tokens the steps committed and their seconds (the verify curve's and the drafting's), and of these the tokens
     its nodes gave that no other offer had, and the seconds it cost."""
@@ -131,7 +160,6 @@ class Keep:
     added: float = 0.0
     spent: float = 0.0
     steps: float = 0.0
-    left_out: int = 0  # new sequences left without it since one followed it to keep measuring
 
     def add(self, tokens: float, seconds: float, added: float, spent: float) -> None:
         k = KEEP_DECAY
@@ -144,15 +172,29 @@ class Keep:
             return True
         return self.tokens / self.seconds >= (self.tokens - self.added) / (self.seconds - self.spent)
 
-    def follow_new(self) -> bool:
-        """Whether a new sequence follows the drafter (see the module docstring)."""
-        if self.pays():
-            return True
-        self.left_out += 1
-        if self.left_out < KEEP_EXPLORE:
-            return False
-        self.left_out = 0
-        return True
+
+@dataclass
+class Trial(Rationed):
+    """A costly drafter's account over the steps that chose it (discounted by step): the seconds they saved against
+    the options they beat (negative where they lost)."""
+
+    saved: float = 0.0
+    steps: float = 0.0
+
+    def add(self, saved: float) -> None:
+        self.saved, self.steps = TRIAL_DECAY * self.saved + saved, TRIAL_DECAY * self.steps + 1
+
+    def pays(self) -> bool:
+        return self.steps < TRIAL_EVIDENCE or self.saved >= 0.0
+
+
+@dataclass
+class Trying:
+    """A row's step that chose a costly drafter: the rate of the option it beat, and its proposal's seconds."""
+
+    name: str
+    beat: float
+    seconds: float = 0.0
 
 
 @dataclass
@@ -178,6 +220,8 @@ class AutoRow:
     shadows: dict[str, tuple[int, list[int], str]] = field(default_factory=dict)  # unverified cheap chains
     follow: dict[str, bool] | None = None  # following drafter -> whether this sequence asks it (set once)
     ledger: Ledger | None = None  # the last step, for the following drafters' accounts
+    trying: Trying | None = None  # the last step, where it chose a costly drafter, for its trial account
+    tries: dict[str, bool] = field(default_factory=dict)  # costly drafter -> whether this sequence may try it
 
 
 class AutoDrafter(Drafter):
@@ -205,6 +249,7 @@ class AutoDrafter(Drafter):
         self.sizes = {n: 4.0 for n in drafters}  # recent nodes per proposal of the costly drafters
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
         self.keeps = {n: Keep() for n, d in self.cheap.items() if getattr(d, "follows", False)}  # their accounts
+        self.trials = {n: Trial() for n in self.costly}
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
 
     # -- proposing --------------------------------------------------------------------------------------
@@ -215,7 +260,7 @@ class AutoDrafter(Drafter):
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
             if row.follow is None:
-                row.follow = {n: keep.follow_new() for n, keep in self.keeps.items()}
+                row.follow = {n: keep.admit() for n, keep in self.keeps.items()}
         cheap = {n: self._timed(n, states, [r.follow.get(n, True) for r in rows]) for n in self.cheap}
         offers = [{n: t[b] for n, t in cheap.items()} for b in range(len(states))]
         out = [DraftTree.empty() for _ in states]
@@ -226,6 +271,8 @@ class AutoDrafter(Drafter):
             before[b], rows[b].chosen, out[b], extras[b] = load, choice.name, choice.tree, choice.extras
             if choice.name in wants:
                 wants[choice.name].append(b)
+                if len(states) == 1 and not self.beside:  # scored where the rates are one row's
+                    rows[b].trying = Trying(choice.name, choice.beat)
             self._shadow(rows[b], states[b], offers[b], choice)
         for n, picked in wants.items():
             if picked:
@@ -324,6 +371,13 @@ class AutoDrafter(Drafter):
             added = sum(i in nodes for i in v.accepted) if own else 0
             self.keeps[n].add(len(v.accepted) + 1, seconds, added, self.seconds[n] + extra)
 
+    def _score_trial(self, row: AutoRow, v: Verdict) -> None:
+        """A costly drafter's step against the option it beat: the seconds its tokens would have taken at that
+        option's rate, less the step's verify seconds and its proposal's."""
+        t, row.trying = row.trying, None
+        nodes = sum(len(p.nodes) for p in row.parts)
+        self.trials[t.name].add((len(v.accepted) + 1) / t.beat - self.step(1 + nodes) - t.seconds)
+
     def _keep_seconds(self, name: str, each: float) -> None:
         self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
 
@@ -342,6 +396,8 @@ class AutoDrafter(Drafter):
         elif not gaps:  # a usual proposal (one with a catch-up says nothing sure of it)
             self._keep_seconds(name, took / len(states))
         for r, s, tree in zip(rows, states, trees):
+            if r.trying is not None:
+                r.trying.seconds = took / len(states)
             r.seen[name] = len(s.tokens)
             self.sizes[name] = 0.8 * self.sizes[name] + 0.2 * len(tree)
         return trees
@@ -374,15 +430,21 @@ class AutoDrafter(Drafter):
             step = c(load.tokens + size) + load.seconds + self.seconds[n]
             gained = sum(self.chances(row, n, size))
             value = (load.expect + gained) / (step + catch_up / RUN)
-            if row.tried.get(n, EXPLORE) >= EXPLORE:
+            if row.tried.get(n, EXPLORE) >= EXPLORE and self._may_try(row, n):
                 hope = (load.expect + gain([min(0.95, r + 0.2) for r in rates], size)) / step
                 left = max(0, capacity_of(s) - len(s.tokens) - self.max_nodes)
                 loss = catch_up + max(0.0, step - (load.expect + gained) / best.rate)  # if it does no better
                 if hope > best.rate and 0.5 * load.expect * left * (1 / best.rate - 1 / hope) > loss:
                     value = max(value, best.rate * 1.0001)  # worth one try: it may pay back its catch-up
             if value > best.rate:
-                best = Choice(n, DraftTree.empty(), value, load.add(size, gained, self.seconds[n]))
+                best = Choice(n, DraftTree.empty(), value, load.add(size, gained, self.seconds[n]), beat=best.rate)
         return best
+
+    def _may_try(self, row: AutoRow, name: str) -> bool:
+        """Whether this sequence may try costly drafter ``name`` (asked of its trial account once a sequence)."""
+        if name not in row.tries:
+            row.tries[name] = self.trials[name].admit()
+        return row.tries[name]
 
     def _best_cut(self, offer: DraftTree, row: AutoRow, name: str, load: Load, seconds: float | None = None,
                   room: int | None = None, beside: bool = False) -> Cut:
@@ -421,6 +483,8 @@ class AutoDrafter(Drafter):
             row = self.rows.get(s)
             if row is not None and row.ledger is not None:
                 self._settle(row, v)
+            if row is not None and row.trying is not None:
+                self._score_trial(row, v)
             for part in row.parts if row is not None else ():
                 own = Verdict([part.nodes.index(i) for i in v.accepted if i in part.nodes],
                               sum(i < v.verified for i in part.nodes))  # a breadth-first cut keeps a prefix
