@@ -348,9 +348,10 @@ class Follower(HalfRight):
 @pytest.mark.parametrize("right", [True, False])
 def test_auto_leaves_a_following_drafter_out_of_new_sequences_where_it_does_not_pay(right, tok):
     """A following drafter that is always right pays (verify tokens free) and every sequence asks it; one that is
-    never right costs its proposal every step and adds nothing: once its account has seen KEEP_EVIDENCE steps,
-    new sequences leave it out, but for one in KEEP_EXPLORE. Answers are plain decoding's either way."""
-    from hydraspec.drafters.auto import KEEP_EVIDENCE, KEEP_EXPLORE
+    never right costs its proposal every step and adds nothing: a sequence stops asking it after ROW_EVIDENCE of its
+    steps, and once the pooled account has seen KEEP_EVIDENCE steps, new sequences leave it out, but for one in
+    KEEP_EXPLORE. Answers are plain decoding's either way."""
+    from hydraspec.drafters.auto import KEEP_EVIDENCE, KEEP_EXPLORE, ROW_EVIDENCE
 
     m = model()
     prompts = [[p0] + PROMPTS[i % 3][1:] for i, p0 in enumerate(range(30, 38))]
@@ -358,7 +359,7 @@ def test_auto_leaves_a_following_drafter_out_of_new_sequences_where_it_does_not_
     follower = Follower({p[0]: (r, len(p)) for p, r in zip(prompts, refs)}, right)
     auto = AutoDrafter({"head": follower}, {n: 1.0 for n in (1, 2, 4, 8, 16)})
     eng = Engine(m, tok, auto, set(), rows=1, capacity=64)
-    asked, steps = [], 0
+    asked, steps, times = [], 0, []
     for p, ref in zip(prompts, refs):
         before = follower.asked
         req = Request(list(p), N, seed=0)
@@ -368,9 +369,11 @@ def test_auto_leaves_a_following_drafter_out_of_new_sequences_where_it_does_not_
         assert req.result.token_ids == ref
         asked.append((steps, follower.asked > before))
         steps += req.result.stats.target_forwards
+        times.append((follower.asked - before, req.result.stats.target_forwards))
     if right:
-        assert all(a for _, a in asked)
+        assert all(a for _, a in asked) and all(t >= f - 1 for t, f in times)
         return
+    assert times[0][0] < times[0][1] - 1 and 0 < max(t for t, _ in times) <= ROW_EVIDENCE + 1
     late = [a for at, a in asked if at >= KEEP_EVIDENCE + N]
     assert all(a for at, a in asked if at < KEEP_EVIDENCE)
     assert late and 0 < sum(late) <= math.ceil(len(late) / KEEP_EXPLORE)

@@ -51,7 +51,9 @@ A drafter that is cheap only because it follows every step (an EAGLE head readin
 every step whether it is chosen or not. Its account (``Keep``, pooled over sequences) weighs the tokens the steps
 committed and their seconds against the tokens its own nodes alone gave and what it cost (its proposal, the verify
 rows of its nodes); a new sequence follows it while the steps give more tokens per second with it than they would
-have without it, and once it does not pay, one new sequence in KEEP_EXPLORE still does, to keep measuring.
+have without it, and once it does not pay, one new sequence in KEEP_EXPLORE still does, to keep measuring. A
+sequence keeps an account of its own too, and stops following the drafter for the rest of it once ROW_EVIDENCE
+of its steps say that the drafter does not pay on this text (a translation, where the head is seldom right).
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predict
 BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
 KEEP_DECAY = 0.995  # weight of older steps in a following drafter's account, per step
 KEEP_EVIDENCE = 64.0  # steps counted before a following drafter may be left out of new sequences
+ROW_EVIDENCE = 16.0  # a sequence's steps counted before it may stop following a drafter that does not pay on it
 KEEP_EXPLORE = 4  # while a following or costly drafter does not pay, one new sequence in this many still asks it
 TRIAL_DECAY = 0.99  # weight of older steps in a costly drafter's trial account, per step that chose it
 TRIAL_EVIDENCE = 8.0  # steps counted before new sequences may stop trying a costly drafter
@@ -166,9 +169,10 @@ class Keep(Rationed):
         self.tokens, self.seconds = k * self.tokens + tokens, k * self.seconds + seconds
         self.added, self.spent, self.steps = k * self.added + added, k * self.spent + spent, k * self.steps + 1
 
-    def pays(self) -> bool:
-        """Whether the steps gave at least as many tokens per second with it as they would have without."""
-        if self.steps < KEEP_EVIDENCE or self.spent >= self.seconds:
+    def pays(self, evidence: float = KEEP_EVIDENCE) -> bool:
+        """Whether the steps gave at least as many tokens per second with it as they would have without (always,
+        before ``evidence`` steps)."""
+        if self.steps < evidence or self.spent >= self.seconds:
             return True
         return self.tokens / self.seconds >= (self.tokens - self.added) / (self.seconds - self.spent)
 
@@ -222,6 +226,7 @@ class AutoRow:
     ledger: Ledger | None = None  # the last step, for the following drafters' accounts
     trying: Trying | None = None  # the last step, where it chose a costly drafter, for its trial account
     tries: dict[str, bool] = field(default_factory=dict)  # costly drafter -> whether this sequence may try it
+    kept: dict[str, Keep] = field(default_factory=dict)  # following drafter -> its account on this sequence
 
 
 class AutoDrafter(Drafter):
@@ -250,6 +255,7 @@ class AutoDrafter(Drafter):
         self.read = {n: 0.0 for n in self.costly}  # seconds per token a costly drafter reads to catch up
         self.keeps = {n: Keep() for n, d in self.cheap.items() if getattr(d, "follows", False)}  # their accounts
         self.trials = {n: Trial() for n in self.costly}
+        self.row_evidence = ROW_EVIDENCE  # (infinite: sequences never stop following; a probe's setting)
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
 
     # -- proposing --------------------------------------------------------------------------------------
@@ -369,7 +375,10 @@ class AutoDrafter(Drafter):
             others = (o for m, o in led.offers.items() if m != n)
             own = first in nodes and int(led.tree.tokens[first]) not in _tops(others)
             added = sum(i in nodes for i in v.accepted) if own else 0
-            self.keeps[n].add(len(v.accepted) + 1, seconds, added, self.seconds[n] + extra)
+            for keep in (self.keeps[n], row.kept.setdefault(n, Keep())):
+                keep.add(len(v.accepted) + 1, seconds, added, self.seconds[n] + extra)
+            if not row.kept[n].pays(self.row_evidence):
+                row.follow[n] = False  # for the rest of this sequence
 
     def _score_trial(self, row: AutoRow, v: Verdict) -> None:
         """A costly drafter's step against the option it beat: the seconds its tokens would have taken at that

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""``auto`` with and without the trial account of its costly drafters, in one process: plain decoding, ``auto`` as
-shipped (new sequences stop trying a costly drafter whose tries have not paid, ``drafters.auto.Trial``) and ``auto``
-trying it wherever its estimate says so, each with the 0.5B draft model, the shipped head and the shipped suffix
-store, alternating which goes first prompt by prompt (the machine's speed drifts within the hour). Every answer
-must equal plain decoding's. Prints seconds, speedup over plain decoding and tokens per target forward for each,
-per category and overall.
+"""``auto`` with and without one of its rules, in one process: plain decoding, ``auto`` as shipped and ``auto``
+without the rule, each with the 0.5B draft model, the shipped head and the shipped suffix store, alternating which
+goes first prompt by prompt (the machine's speed drifts within the hour). Every answer must equal plain decoding's.
+Prints seconds, speedup over plain decoding and tokens per target forward for each, per category and overall.
+The rules (``--without``): ``trials``, new sequences stop trying a costly drafter whose tries have not paid
+(``drafters.auto.Trial``); ``sequence-keep``, a sequence stops following a head that does not pay on it
+(``drafters.auto.ROW_EVIDENCE``).
 
-    python benchmarks/trial_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2
+    python benchmarks/auto_rules_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --without trials
 """
 from __future__ import annotations
 
@@ -36,16 +37,18 @@ class AlwaysTries(Trial):
         return True
 
 
-def auto(target, draft, tok, dtok, ratio: bool):
-    """``auto`` with its own draft model drafter and head (none shares another's state); ``ratio``: with the trial
-    account."""
+def auto(target, draft, tok, dtok, without: str | None = None):
+    """``auto`` with its own draft model drafter and head (none shares another's state), without rule ``without``
+    (None: as shipped)."""
     heads, cfg = load_heads(str(shipped_heads(MODEL)), target, base_model=MODEL, drafting=True)
     costly = auto_heads(heads, cfg, target.get_input_embeddings())
     costly["draft"] = make_drafter("draft", draft_model=draft, target_tokenizer=tok, draft_tokenizer=dtok,
                                    tree=str(shipped_draft_tree(MODEL, DRAFT)))
     made = make_auto(target, costly, store=read_store(str(shipped_suffix_store(MODEL))))
-    if not ratio:
+    if without == "trials":
         made.trials = {n: AlwaysTries() for n in made.trials}
+    elif without == "sequence-keep":
+        made.row_evidence = float("inf")
     return made
 
 
@@ -55,13 +58,14 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--limit", type=int, default=2, help="questions of each category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--without", choices=["trials", "sequence-keep"], default="trials")
     a = ap.parse_args()
     torch.set_num_threads(2)
     target, tok = load_model(MODEL, quant="auto")
     draft, dtok = load_draft_model(DRAFT, "bfloat16", "cpu", tokenizer=tok)
     compile_models(target, draft, how="auto", hidden=True)
-    made = {"ar": make_drafter("ar"), "trials": auto(target, draft, tok, dtok, True),
-            "no trials": auto(target, draft, tok, dtok, False)}
+    made = {"ar": make_drafter("ar"), "shipped": auto(target, draft, tok, dtok),
+            f"without {a.without}": auto(target, draft, tok, dtok, a.without)}
     gens = {k: SpeculativeGenerator(target, tok, d) for k, d in made.items()}
     for g in gens.values():
         g.generate([{"role": "user", "content": "Say hi."}], max_new_tokens=8)
