@@ -265,8 +265,10 @@ class AutoDrafter(Drafter):
         self.step = self.packed.forward(forward_rows)
         for row, s in zip(rows, states):
             self._score_shadows(row, s)
-            if row.follow is None:
+            if row.follow is None:  # a new sequence: which drafters its accounts let it ask
                 row.follow = {n: keep.admit() for n, keep in self.keeps.items()}
+                row.kept = {n: Keep() for n in self.keeps}
+                row.tries = {n: trial.admit() for n, trial in self.trials.items()}
         cheap = {n: self._timed(n, states, [r.follow.get(n, True) for r in rows]) for n in self.cheap}
         offers = [{n: t[b] for n, t in cheap.items()} for b in range(len(states))]
         out = [DraftTree.empty() for _ in states]
@@ -375,7 +377,7 @@ class AutoDrafter(Drafter):
             others = (o for m, o in led.offers.items() if m != n)
             own = first in nodes and int(led.tree.tokens[first]) not in _tops(others)
             added = sum(i in nodes for i in v.accepted) if own else 0
-            for keep in (self.keeps[n], row.kept.setdefault(n, Keep())):
+            for keep in (self.keeps[n], row.kept[n]):
                 keep.add(len(v.accepted) + 1, seconds, added, self.seconds[n] + extra)
             if not row.kept[n].pays(self.row_evidence):
                 row.follow[n] = False  # for the rest of this sequence
@@ -384,8 +386,7 @@ class AutoDrafter(Drafter):
         """A costly drafter's step against the option it beat: the seconds its tokens would have taken at that
         option's rate, less the step's verify seconds and its proposal's."""
         t, row.trying = row.trying, None
-        nodes = sum(len(p.nodes) for p in row.parts)
-        self.trials[t.name].add((len(v.accepted) + 1) / t.beat - self.step(1 + nodes) - t.seconds)
+        self.trials[t.name].add((len(v.accepted) + 1) / t.beat - self.step(1 + v.verified) - t.seconds)
 
     def _keep_seconds(self, name: str, each: float) -> None:
         self.seconds[name] = each if not self.seconds[name] else 0.8 * self.seconds[name] + 0.2 * each
@@ -439,7 +440,7 @@ class AutoDrafter(Drafter):
             step = c(load.tokens + size) + load.seconds + self.seconds[n]
             gained = sum(self.chances(row, n, size))
             value = (load.expect + gained) / (step + catch_up / RUN)
-            if row.tried.get(n, EXPLORE) >= EXPLORE and self._may_try(row, n):
+            if row.tried.get(n, EXPLORE) >= EXPLORE and row.tries.get(n, True):
                 hope = (load.expect + gain([min(0.95, r + 0.2) for r in rates], size)) / step
                 left = max(0, capacity_of(s) - len(s.tokens) - self.max_nodes)
                 loss = catch_up + max(0.0, step - (load.expect + gained) / best.rate)  # if it does no better
@@ -448,12 +449,6 @@ class AutoDrafter(Drafter):
             if value > best.rate:
                 best = Choice(n, DraftTree.empty(), value, load.add(size, gained, self.seconds[n]), beat=best.rate)
         return best
-
-    def _may_try(self, row: AutoRow, name: str) -> bool:
-        """Whether this sequence may try costly drafter ``name`` (asked of its trial account once a sequence)."""
-        if name not in row.tries:
-            row.tries[name] = self.trials[name].admit()
-        return row.tries[name]
 
     def _best_cut(self, offer: DraftTree, row: AutoRow, name: str, load: Load, seconds: float | None = None,
                   room: int | None = None, beside: bool = False) -> Cut:
