@@ -386,17 +386,17 @@ static void g##B##M##_##GC##_##N(const gguf_call* c, const gguf_rows* q, int64_t
 #define DEFG_G(B, M, GC) DEFG(1, B, M, GC) DEFG(2, B, M, GC) DEFG(3, B, M, GC) DEFG(4, B, M, GC)
 #define DEFG_ALL(B, M) DEFG_G(B, M, 0) DEFG_G(B, M, 8)
 DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(6, 0) DEFG_ALL(6, 1) DEFG_ALL(8, 0) DEFG_ALL(8, 1)
-/* Q6_K (6-bit codes, zero point 32, groups of 16 = 4 steps): the signed code w = q - 32 (|w| <= 32) by the sign
-   trick, |w| (u8) times x carrying w's sign (|x| <= 127): a pair sum is at most 2 * 32 * 127 = 8128, so a whole
-   group's four steps add up in int16 and widen once, and the sum is sum((q - 32) * x) itself: the integers of
-   the kernel above, with fewer operations and no int32 sums held across a group. */
+/* Q6_K (6-bit codes, a zero point, groups of 16 inputs = 4 steps): the kernel above for this one shape, with
+   the group's steps unrolled, two rounds of two steps in int16 (2 * 63 * 127 * 2 = 32004), the group's int32
+   sums in registers, 1-2 rows over all four vectors a pass and 3-4 rows two at a time: the same integers and
+   float steps, about a sixth cheaper from 2 rows on (docs/cpu-kernels.md). */
 #define DEFQ6(N) \
 static void q6k_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0) { \
-    enum { V = N <= 2 ? 4 : 2 }; /* 3-4 rows: two passes (four vectors spill) */ \
+    enum { V = N <= 2 ? 4 : 2 }; \
     const int64_t in4 = c->in / 4, ng = c->in / c->G, o0 = b * OB; \
     const int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
     GGUF_BLOCK_PTRS(6, 0) \
-    (void)xs; (void)mxs; (void)sb; (void)mb; (void)smb; (void)dmb; \
+    (void)mxs; (void)sb; (void)mb; (void)smb; (void)dmb; \
     const __m256i ones = _mm256_set1_epi16(1); \
     const int64_t pf = g_pf_ahead; \
     float acc[N][OB]; \
@@ -404,21 +404,26 @@ static void q6k_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j
     for (int64_t g = 0, sub = 0, gi = 0; g < ng; g++) { \
         const int64_t p0 = g * 4; \
         _Pragma("GCC unroll 4") for (int sw = 0; sw < 4 / V; sw++) { \
-            __m256i s[N][V]; \
-            _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) \
-                _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) s[j][k] = _mm256_setzero_si256(); \
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) { \
-                const int64_t p = p0 + t; \
-                if (sw == 0) { \
-                    _mm_prefetch((const char*)(wb + p * 64 + pf), _MM_HINT_T0); \
-                    if ((t & 1) == 0) _mm_prefetch((const char*)(hb + p * 32 + pf / 2), _MM_HINT_T0); } \
-                __m256i xv[N]; \
-                _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) xv[j] = _mm256_set1_epi32(xq[p * N + j]); \
-                _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
-                    __m256i w = _mm256_sub_epi8(gguf_wv(6, wb, hb, p, sw + k * (4 / V)), _mm256_set1_epi8(32)); \
-                    __m256i u = _mm256_abs_epi8(w); \
-                    _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) \
-                        s[j][k] = add16_to(s[j][k], _mm256_maddubs_epi16(u, _mm256_sign_epi8(xv[j], w))); } \
+            __m256i a[N][V]; \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) { \
+                __m256i s[N][V]; \
+                _Pragma("GCC unroll 2") for (int t = 2 * h; t < 2 * h + 2; t++) { \
+                    const int64_t p = p0 + t; \
+                    if (sw == 0) { \
+                        _mm_prefetch((const char*)(wb + p * 64 + pf), _MM_HINT_T0); \
+                        if ((t & 1) == 0) _mm_prefetch((const char*)(hb + p * 32 + pf / 2), _MM_HINT_T0); } \
+                    __m256i xv[N]; \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) xv[j] = _mm256_set1_epi32(xq[p * N + j]); \
+                    _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
+                        __m256i w = gguf_wv(6, wb, hb, p, sw + k * (4 / V)); \
+                        _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) { \
+                            __m256i m = _mm256_maddubs_epi16(w, xv[j]); \
+                            s[j][k] = (t & 1) ? add16_to(s[j][k], m) : m; } } \
+                } \
+                _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) \
+                    _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
+                        __m256i m = _mm256_madd_epi16(s[j][k], ones); \
+                        a[j][k] = h ? _mm256_add_epi32(a[j][k], m) : m; } \
             } \
             _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
                 const int v = sw + k * (4 / V); \
@@ -426,7 +431,7 @@ static void q6k_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j
                                 : _mm256_loadu_ps(c->sc + (size_t)(b * ng * OB) + g * OB + 8 * v); \
                 _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) { \
                     __m256 xsv = _mm256_set1_ps(sx[g * N + j]), f = _mm256_loadu_ps(acc[j] + 8 * v); \
-                    __m256i isum = _mm256_madd_epi16(s[j][k], ones); \
+                    __m256i isum = _mm256_sub_epi32(a[j][k], _mm256_set1_epi32((int32_t)c->zero * xs[g * N + j])); \
                     f = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), sc), xsv, f); \
                     _mm256_storeu_ps(acc[j] + 8 * v, f); } \
             } \
@@ -449,7 +454,7 @@ static const gfn Q6K[NG + 1] = {0, q6k_1, q6k_2, q6k_3, q6k_4};
 
 static void g_tile(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0, int64_t nr) {
     int m = c->mn != NULL || c->dmin != NULL, gs = c->G == 16 ? 1 : c->G == 32 ? 2 : 0;
-    if (c->bits == 6 && !m && c->G == 16 && c->zero == 32) { Q6K[nr](c, q, b, j0); return; }
+    if (c->bits == 6 && !m && c->G == 16) { Q6K[nr](c, q, b, j0); return; }
     GK[c->bits == 4 ? 0 : c->bits == 6 ? 1 : 2][m][gs][nr](c, q, b, j0);
 }
 
