@@ -389,7 +389,7 @@ DEFG_ALL(4, 0) DEFG_ALL(4, 1) DEFG_ALL(6, 0) DEFG_ALL(6, 1) DEFG_ALL(8, 0) DEFG_
 /* Q6_K (6-bit codes, a zero point, groups of 16 inputs = 4 steps): the kernel above for this one shape, with
    the group's steps unrolled, two rounds of two steps in int16 (2 * 63 * 127 * 2 = 32004), the group's int32
    sums in registers, 1-2 rows over all four vectors a pass and 3-4 rows two at a time: the same integers and
-   float steps, about a sixth cheaper from 2 rows on (docs/cpu-kernels.md). */
+   float steps, a sixth to a quarter cheaper from 2-3 rows on (docs/cpu-kernels.md). */
 #define DEFQ6(N) \
 static void q6k_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j0) { \
     enum { V = N <= 2 ? 4 : 2 }; \
