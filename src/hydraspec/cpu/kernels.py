@@ -416,7 +416,7 @@ def int8_dot_lib():
     without VNNI), with the same integer sums. Decided once, as every w8a8 / w4a8 Linear call asks."""
     if native_lib() is None:
         return None
-    if native_isa() == "avx512" and "avx512_vnni" in _cpu_flags():
+    if native_isa() == "avx2" or "avx512_vnni" in _cpu_flags():  # the native build (or a chosen one) has them
         return native_lib()
     return build_native("avx2") if cpu_runs("avx2") else None
 

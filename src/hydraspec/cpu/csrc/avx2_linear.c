@@ -145,7 +145,8 @@ int hs_linear_i8(const uint16_t* xb, int64_t n, int64_t in, const int8_t* wq, co
      [-127, 127]: a pair sum is at most 2 * 127 * 127 = 32258 < 32767;
    - w4a8: the unsigned 4-bit code (q + 8 <= 15) times x: a pair sum is at most 2 * 15 * 127 = 3810, so
      8 steps (32 inputs) add up in int16 before they are widened.
-   Passes cover half a block (16 outputs, two vectors of 8 outputs x 4 inputs) for up to NQ rows. */
+   Passes cover half a block (16 outputs, two vectors of 8 outputs x 4 inputs) for up to NQ rows; w4a8 takes a
+   whole block a pass for 1-2 rows (a draft model's steps), its bytes loaded once. */
 #define NQ 3 /* rows per pass of the int8-activation kernels */
 
 /* w8a8, N rows x the 16 outputs of half `h` of a block. wb: the block's [in4][32][4] int8 weights */
@@ -244,6 +245,54 @@ static void w4_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4
             yr[k] = f2bf(buf[t] * sx[j] + (bias ? bias[o0 + k] : 0.0f)); } } \
 }
 DEFW4(1) DEFW4(2) DEFW4(3)
+/* w4a8, N rows x all 32 outputs of a block in one pass (both nibbles of a step's bytes, loaded once): the same
+   integer sums and float steps per output as w4_N above, so the same results; 1-2 rows 0.8-0.9x the two half
+   passes (docs/cpu-kernels.md) */
+#define DEFW4F(N) \
+static void w4f_##N(const int32_t* xq, const int32_t* xs, int64_t in4, int64_t g4, const uint8_t* wb, \
+                    const float* sb, const float* sx, uint16_t* y, int64_t out, int64_t o0, int64_t width, \
+                    const float* bias) { \
+    __m256 f[N][4]; \
+    const __m256i lo = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1); \
+    const int64_t pf = g_pf_ahead; \
+    _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) \
+        for (int v = 0; v < 4; v++) f[j][v] = _mm256_setzero_ps(); \
+    for (int64_t p0 = 0, g = 0; p0 < in4; p0 += g4, g++) { \
+        __m256i a[N][4]; \
+        _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) \
+            for (int v = 0; v < 4; v++) a[j][v] = _mm256_setzero_si256(); \
+        for (int64_t c0 = p0; c0 < p0 + g4; c0 += 8) { /* 8 steps at most in int16 */ \
+            int64_t c1 = c0 + 8 < p0 + g4 ? c0 + 8 : p0 + g4; \
+            __m256i s[N][4]; \
+            _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) \
+                for (int v = 0; v < 4; v++) s[j][v] = _mm256_setzero_si256(); \
+            for (int64_t p = c0; p < c1; p++) { \
+                _mm_prefetch((const char*)(wb + p * 64 + pf), _MM_HINT_T0); \
+                __m256i b0 = _mm256_loadu_si256((const __m256i*)(wb + p * 64)); \
+                __m256i b1 = _mm256_loadu_si256((const __m256i*)(wb + p * 64 + 32)); \
+                __m256i w[4] = {_mm256_and_si256(b0, lo), _mm256_and_si256(b1, lo), \
+                                _mm256_and_si256(_mm256_srli_epi16(b0, 4), lo), \
+                                _mm256_and_si256(_mm256_srli_epi16(b1, 4), lo)}; \
+                _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { __m256i xv = _mm256_set1_epi32(xq[p * N + j]); \
+                    _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) \
+                        s[j][v] = _mm256_add_epi16(s[j][v], _mm256_maddubs_epi16(w[v], xv)); } \
+            } \
+            _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) for (int v = 0; v < 4; v++) \
+                a[j][v] = _mm256_add_epi32(a[j][v], _mm256_madd_epi16(s[j][v], ones)); \
+        } \
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) { \
+            __m256 sv = _mm256_loadu_ps(sb + g * OB + 8 * v); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { \
+                __m256i c = _mm256_set1_epi32(8 * xs[g * N + j]); \
+                f[j][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[j][v], c)), sv, f[j][v]); } } \
+    } \
+    float buf[32]; \
+    _Pragma("GCC unroll 4") for (int j = 0; j < N; j++) { \
+        for (int v = 0; v < 4; v++) _mm256_storeu_ps(buf + 8 * v, f[j][v]); \
+        uint16_t* yr = y + j * out + o0; \
+        for (int64_t k = 0; k < width; k++) yr[k] = f2bf(buf[k] * sx[j] + (bias ? bias[o0 + k] : 0.0f)); } \
+}
+DEFW4F(1) DEFW4F(2)
 typedef void (*w4fn)(const int32_t*, const int32_t*, int64_t, int64_t, const uint8_t*, int, const float*,
                      const float*, uint16_t*, int64_t, int64_t, int64_t, const float*);
 static const w4fn W4[NQ + 1] = {0, w4_1, w4_2, w4_3};
@@ -251,6 +300,12 @@ static const w4fn W4[NQ + 1] = {0, w4_1, w4_2, w4_3};
 static void w4_tile(const int8_call* c, const int8_rows* q, int64_t b, int64_t j0, int64_t nr, int64_t o0,
                     int64_t width) {
     int64_t in4 = c->in / 4, ng = c->in / c->group;
+    if (nr <= 2) { /* one pass over the whole block */
+        (nr == 1 ? w4f_1 : w4f_2)(q->xq + j0 * in4, q->xs + j0 * ng, in4, c->group / 4,
+                                  (const uint8_t*)c->wq + (size_t)(b * in4 * 64), c->scale + (size_t)(b * ng * OB),
+                                  q->sx + j0, c->y + j0 * c->out, c->out, o0, width, c->bias);
+        return;
+    }
     for (int h = 0; h < 2 && 16 * h < width; h++)
         W4[nr](q->xq + j0 * in4, q->xs + j0 * ng, in4, c->group / 4, (const uint8_t*)c->wq + (size_t)(b * in4 * 64), h,
                c->scale + (size_t)(b * ng * OB), q->sx + j0, c->y + j0 * c->out, c->out, o0, width, c->bias);
