@@ -4,9 +4,10 @@ layouts of Qwen2.5-Coder-1.5B's MLP: Q4_K 1536 -> 8960, Q6_K and Q4_K 8960 -> 15
 and the cost of each row past the first. The weights (7-10 MB) come from L3, so from a few rows on this
 measures the arithmetic. With --from-memory each call goes to the next of 24 copies of the weight (170-240 MB),
 so that the weights stream from memory as in a decode step. --lm-head adds the LM head's shape (Q6_K 1536 ->
-151,936, 191 MB: from memory at any setting, one copy).
+151,936, 191 MB: from memory at any setting, one copy). --w4a8: the draft models' w4a8 kernel instead, at the
+Qwen2.5-Coder-0.5B's shapes (random weights in groups of 64).
 
-    python benchmarks/kernel_rows.py [--rows 1,2,4,8,16] [--threads 2] [--from-memory] [--lm-head] [--against REV]
+    python benchmarks/kernel_rows.py [--rows 1,2,4,8,16] [--threads 2] [--from-memory] [--lm-head] [--w4a8] [--against REV]
 
 --against REV: REV's kernels (its csrc/ compiled now) timed in the same process, the two alternating call by
 call set, with the ratio this / REV per row count; each row's output is checked to be the same bit for bit
@@ -25,6 +26,7 @@ import torch
 
 from hydraspec.cpu import kernels
 from hydraspec.cpu.gguf import GGUFLinear, QuantWeight
+from hydraspec.cpu.quantized import W4A8Linear
 
 rng = np.random.default_rng(0)
 
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--from-memory", action="store_true", help="24 copies of each weight, called in turn")
     ap.add_argument("--lm-head", action="store_true", help="also the LM head's shape, Q6_K 1536 -> 151,936")
+    ap.add_argument("--w4a8", action="store_true", help="the w4a8 draft kernel at the 0.5B's shapes instead")
     ap.add_argument("--against", help="an older revision whose kernels are timed alongside")
     ap.add_argument("--arithmetic-differs", action="store_true", help="do not check that the outputs are equal")
     a = ap.parse_args()
@@ -89,12 +92,17 @@ def main() -> None:
               "Q4_K 8960 -> 1536": lambda: q4_k(1536, 8960)}
     if a.lm_head:
         makers["Q6_K 1536 -> 151936"] = lambda: q6_k(151936, 1536)
+    wrap = GGUFLinear
+    if a.w4a8:
+        wrap = lambda layer: layer  # noqa: E731 (the makers build the layer)
+        makers = {f"w4a8 {i} -> {o}": (lambda i=i, o=o: W4A8Linear(torch.nn.Linear(i, o), 64))
+                  for i, o in ((896, 4864), (4864, 896), (896, 1152))}
     print("| weight | kernels | " + " | ".join(f"{r} rows" for r in rows) + " | each row past the first |")
     print("|---|---|" + "---:|" * (len(rows) + 1))
     rounds = 6 if a.against else 1
     with torch.inference_mode():
         for name, make in makers.items():
-            layers = [GGUFLinear(make()) for _ in range(1 if "151936" in name else copies)]
+            layers = [wrap(make()) for _ in range(1 if "151936" in name else copies)]
             ms = [ms_per_call(layers, r, libs, rounds=rounds, check=not a.arithmetic_differs) for r in rows]
             for lib in libs:
                 v = [m[lib] for m in ms]
