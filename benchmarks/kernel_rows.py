@@ -7,7 +7,8 @@ so that the weights stream from memory as in a decode step. --lm-head adds the L
 151,936, 191 MB: from memory at any setting, one copy). --w4a8: the draft models' w4a8 kernel instead, at the
 Qwen2.5-Coder-0.5B's shapes (random weights in groups of 64).
 
-    python benchmarks/kernel_rows.py [--rows 1,2,4,8,16] [--threads 2] [--from-memory] [--lm-head] [--w4a8] [--against REV]
+    python benchmarks/kernel_rows.py [--rows 1,2,4,8,16] [--threads 2] [--from-memory] [--lm-head] [--w4a8]
+                                     [--against REV]
 
 --against REV: REV's kernels (its csrc/ compiled now) timed in the same process, the two alternating call by
 call set, with the ratio this / REV per row count; each row's output is checked to be the same bit for bit
@@ -29,6 +30,7 @@ from hydraspec.cpu.gguf import GGUFLinear, QuantWeight
 from hydraspec.cpu.quantized import W4A8Linear
 
 rng = np.random.default_rng(0)
+LM_HEAD = "Q6_K 1536 -> 151936"  # 191 MB: one copy streams from memory
 
 
 def q4_k(out: int, inp: int) -> QuantWeight:
@@ -88,13 +90,12 @@ def main() -> None:
     if a.against:
         from verify_curve import older_kernels  # beside this script
         libs[a.against] = older_kernels(a.against, Path(tempfile.mkdtemp()))
-    makers = {"Q4_K 1536 -> 8960": lambda: q4_k(8960, 1536), "Q6_K 8960 -> 1536": lambda: q6_k(1536, 8960),
-              "Q4_K 8960 -> 1536": lambda: q4_k(1536, 8960)}
+    makers = {"Q4_K 1536 -> 8960": lambda: GGUFLinear(q4_k(8960, 1536)),
+              "Q6_K 8960 -> 1536": lambda: GGUFLinear(q6_k(1536, 8960)),
+              "Q4_K 8960 -> 1536": lambda: GGUFLinear(q4_k(1536, 8960))}
     if a.lm_head:
-        makers["Q6_K 1536 -> 151936"] = lambda: q6_k(151936, 1536)
-    wrap = GGUFLinear
+        makers[LM_HEAD] = lambda: GGUFLinear(q6_k(151936, 1536))
     if a.w4a8:
-        wrap = lambda layer: layer  # noqa: E731 (the makers build the layer)
         makers = {f"w4a8 {i} -> {o}": (lambda i=i, o=o: W4A8Linear(torch.nn.Linear(i, o), 64))
                   for i, o in ((896, 4864), (4864, 896), (896, 1152))}
     print("| weight | kernels | " + " | ".join(f"{r} rows" for r in rows) + " | each row past the first |")
@@ -102,7 +103,7 @@ def main() -> None:
     rounds = 6 if a.against else 1
     with torch.inference_mode():
         for name, make in makers.items():
-            layers = [wrap(make()) for _ in range(1 if "151936" in name else copies)]
+            layers = [make() for _ in range(1 if name == LM_HEAD else copies)]
             ms = [ms_per_call(layers, r, libs, rounds=rounds, check=not a.arithmetic_differs) for r in rows]
             for lib in libs:
                 v = [m[lib] for m in ms]
