@@ -107,8 +107,8 @@ def main() -> None:
             ms = [ms_per_call(layers, r, libs, rounds=rounds, check=not a.arithmetic_differs) for r in rows]
             for lib in libs:
                 v = [m[lib] for m in ms]
-                per_row = (v[-1] - v[0]) / (rows[-1] - rows[0])
-                print(f"| {name} | {lib} | " + " | ".join(f"{t:.3f}" for t in v) + f" | {per_row:.3f} |")
+                per_row = f"{(v[-1] - v[0]) / (rows[-1] - rows[0]):.3f}" if len(rows) > 1 else ""
+                print(f"| {name} | {lib} | " + " | ".join(f"{t:.3f}" for t in v) + f" | {per_row} |")
             if a.against:
                 print(f"| {name} | this / {a.against} | "
                       + " | ".join(f"{m['this'] / m[a.against]:.2f}" for m in ms) + " | |")
