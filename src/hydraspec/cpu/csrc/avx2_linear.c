@@ -451,7 +451,7 @@ static void q6k_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j
     const int64_t in4 = c->in / 4, ng = c->in / c->G, o0 = b * OB; \
     const int64_t width = c->out - o0 < OB ? c->out - o0 : OB; \
     GGUF_BLOCK_PTRS(6, 0) \
-    (void)mxs; (void)sb; (void)mb; (void)smb; (void)dmb; \
+    (void)mxs; (void)mb; (void)smb; (void)dmb; \
     const __m256i ones = _mm256_set1_epi16(1); \
     const int64_t pf = g_pf_ahead; \
     float acc[N][OB]; \
@@ -483,7 +483,7 @@ static void q6k_##N(const gguf_call* c, const gguf_rows* q, int64_t b, int64_t j
             _Pragma("GCC unroll 4") for (int k = 0; k < V; k++) { \
                 const int v = sw + k * (4 / V); \
                 __m256 sc = two ? _mm256_mul_ps(_mm256_loadu_ps(db + sub * OB + 8 * v), ld8x8(ssb + g * OB + 8 * v)) \
-                                : _mm256_loadu_ps(c->sc + (size_t)(b * ng * OB) + g * OB + 8 * v); \
+                                : _mm256_loadu_ps(sb + g * OB + 8 * v); \
                 _Pragma("GCC unroll 8") for (int j = 0; j < N; j++) { \
                     __m256 xsv = _mm256_set1_ps(sx[g * N + j]), f = _mm256_loadu_ps(acc[j] + 8 * v); \
                     __m256i isum = _mm256_sub_epi32(a[j][k], _mm256_set1_epi32((int32_t)c->zero * xs[g * N + j])); \
