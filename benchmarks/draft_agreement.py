@@ -20,22 +20,23 @@ from collections import defaultdict
 
 import torch
 
+from hydraspec.bench.prompts import load_prompt_file
+from hydraspec.bench.stats import dedupe
 from hydraspec.inputs import encode_prompt
 from hydraspec.models import load_draft_model
 
 
 def answers(records: str, methods: tuple[str, ...]):
-    """(category, question_id, prompt length, answer ids) of the first turns of ``methods``' records, each
-    question once."""
-    seen = set()
+    """(category, question_id, prompt length, answer ids) of the first turns of ``methods``' records (the run's
+    last record of each), each question once."""
     with open(records) as f:
-        for line in f:
-            r = json.loads(line)
-            key = (r.get("category"), r.get("question_id"))
-            if r.get("method") in methods and key not in seen:
-                seen.add(key)
-                t = r["turns"][0]
-                yield key[0], key[1], t["prompt_tokens"], t["token_ids"]
+        rows = [r for r in map(json.loads, f) if r.get("method") in methods]
+    seen = set()
+    for r in dedupe(rows):
+        if r["question_id"] not in seen:
+            seen.add(r["question_id"])
+            t = r["turns"][0]
+            yield r["category"], r["question_id"], t["prompt_tokens"], t["token_ids"]
 
 
 @torch.inference_mode()
@@ -55,10 +56,10 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=0, help="the draft model sees only the last N prompt tokens")
     args = ap.parse_args()
     draft, tok = load_draft_model(args.draft_model, "bfloat16", "cpu", quant=None)
-    questions = {(q["category"], q["question_id"]): q for q in map(json.loads, open(args.prompts))}
+    questions = {(q.category, q.question_id): q for q in load_prompt_file(args.prompts)}
     per = defaultdict(lambda: [0, 0, 0])  # agreeing, answer tokens, agreeing twice in a row
     for cat, qid, n, ans in answers(args.records, tuple(args.methods.split(","))):
-        prompt = encode_prompt(tok, questions[(cat, qid)]["turns"][0], True)
+        prompt = encode_prompt(tok, questions[(cat, qid)].turns[0], True)
         if len(prompt) != n:
             raise SystemExit(f"question {qid}: {len(prompt)} prompt tokens with the draft's tokenizer, {n} in the run")
         ok = agreement(draft, prompt[-args.tail:] if args.tail else prompt, ans)
