@@ -66,6 +66,22 @@ def cut_output(model, keep: torch.Tensor) -> None:
     model.set_output_embeddings(DraftVocabHead(_rows(head, keep), keep, head.out_features))
 
 
+def kept_ids_of(model) -> torch.Tensor | None:
+    """The ids a model's cut output layer keeps (:class:`DraftVocabHead`), or None for a whole one."""
+    head = model.get_output_embeddings()
+    return head.keep if isinstance(head, DraftVocabHead) else None
+
+
+def greedy_tops(logits: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """Per row of ``logits`` [B, vocab]: the most likely token and the log of its probability, computed over the
+    ids ``keep`` only where given (the others are -inf there, so both are the same as over the whole row, at a
+    fraction of the cost)."""
+    sub = (logits if keep is None else logits.index_select(-1, keep)).float()
+    top, at = sub.max(-1)
+    ids = at if keep is None else keep[at]
+    return ids.tolist(), (top - torch.logsumexp(sub, -1)).tolist()
+
+
 def trim_draft_vocab(model, size: int, special_ids) -> int:
     """Replace ``model``'s output layer by a :class:`DraftVocabHead` over :func:`kept_ids`; returns how
     many ids it keeps (the whole vocabulary: nothing changed)."""

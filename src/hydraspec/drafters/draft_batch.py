@@ -17,6 +17,7 @@ import torch
 
 from ..cache import (allocate_rows, cache_kwargs, compact, copy_rows, fill_holes, new_cache, prefill_rows, select_rows,
                      set_length, use_rows)
+from ..draft_vocab import greedy_tops, kept_ids_of
 from ..sampling import sample_without_replacement
 from ..tree import DraftTree, chain
 from ..verify import ragged_mask, ragged_positions, with_window
@@ -41,6 +42,7 @@ class DraftBatch:
 
     def __init__(self, proto):
         self.p, self.model = proto, proto.model
+        self.keep = kept_ids_of(self.model)  # a cut output layer's ids: greedy picks look at those only
         self.cache = None
         self.rows: list[DraftRow] = []
         self.index: dict[int, int] = {}  # sequence key -> row
@@ -76,8 +78,11 @@ class DraftBatch:
         self.cache, self.size = cache, size
 
     def _forward(self, feeds: list[list[int]]) -> torch.Tensor:
-        """Append feeds[b] to row b's draft cache; logits [B, vocab] at each row's last fed token."""
+        """Append feeds[b] to row b's draft cache; logits [B, vocab] at each row's last fed token (in the
+        model's dtype)."""
         rows, dev = self.rows, self.model.device
+        if len(rows) == 1 and feeds[0]:
+            return self._forward_one(feeds[0])
         B, C = len(rows), max(1, max(len(f) for f in feeds))
         W = max(r.length for r in rows)
         ids = torch.zeros(B, C, dtype=torch.long)
@@ -100,11 +105,23 @@ class DraftBatch:
         out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask,
                          use_cache=True, **cache_kwargs(self.model, self.cache))
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
-        logits = out.logits[torch.arange(B, device=last.device), last].float()
-        compact(self.cache, src.to(dev), dst.to(dev))
+        logits = out.logits[torch.arange(B, device=last.device), last]
+        if not torch.equal(src, dst):  # rows at the write pointer already sit where they belong
+            compact(self.cache, src.to(dev), dst.to(dev))
         for r, f in zip(rows, feeds):
             r.length += len(f)
         return logits
+
+    def _forward_one(self, feed: list[int]) -> torch.Tensor:
+        """_forward for a cache of one row: its tokens end at the write pointer, so the feed is a plain causal
+        step with no mask to build and nothing to move."""
+        r, dev = self.rows[0], self.model.device
+        set_length(self.cache, r.length)
+        out = self.model(input_ids=torch.tensor([feed], device=dev), use_cache=True, logits_to_keep=1,
+                         position_ids=torch.arange(r.length, r.length + len(feed), device=dev)[None],
+                         **cache_kwargs(self.model, self.cache))
+        r.length += len(feed)
+        return out.logits[:, -1]
 
     @torch.inference_mode()
     def propose(self, states: list[DecodeState]) -> list[DraftTree]:
@@ -123,25 +140,25 @@ class DraftBatch:
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         drafting = [True] * len(rows)
         reach = [0.0] * len(rows)  # path stop: log of each row's chain probability under the draft
+        greedy = any(s.sampling.greedy for s in states)
         for depth in range(max(r.k for r in rows)):
+            tops, lps = greedy_tops(logits, self.keep) if greedy else ([], [])
             for b, (r, s) in enumerate(zip(rows, states)):
                 if not drafting[b] or depth >= r.k:
                     drafting[b] = False
                     continue
-                lg = logits[b]
                 if s.sampling.greedy:
-                    top = torch.topk(lg, 1)
                     if p.confidence > 0:
-                        lp = top.values[0].item() - torch.logsumexp(lg, -1).item()
+                        lp = lps[b]
                         if p.stop == "path":
                             reach[b] += lp
                             lp = reach[b]
                         if toks[b] and lp < p.log_confidence:
                             drafting[b] = False
                             continue
-                    toks[b].append(int(top.indices[0]))
+                    toks[b].append(tops[b])
                 else:
-                    probs = s.sampling.probs(lg)
+                    probs = s.sampling.probs(logits[b].float())
                     toks[b].append(int(sample_without_replacement(probs, 1, s.generator)[0]))
                     qs[b].append(probs)
                 if depth >= r.k - 1:  # the last draft of a chain is not fed
