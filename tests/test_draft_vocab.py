@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from hydraspec import HydraspecError
-from hydraspec.draft_vocab import DraftVocabHead, kept_ids, trim_draft_vocab
+from hydraspec.draft_vocab import DraftVocabHead, cut_output, greedy_tops, kept_ids, kept_ids_of, trim_draft_vocab
 
 
 class _Tiny(nn.Module):
@@ -41,3 +41,19 @@ def test_a_cut_as_large_as_the_vocabulary_changes_nothing_and_zero_is_refused():
     assert trim_draft_vocab(m, 50, []) == 50 and m.head is head
     with pytest.raises(HydraspecError, match="at least 1"):
         trim_draft_vocab(m, 0, [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_over_the_kept_ids_equal_those_over_the_whole_row(dtype):
+    torch.manual_seed(0)
+    model = _Tiny()
+    assert kept_ids_of(model) is None
+    cut_output(model, torch.tensor([3, 7, 11, 30, 45]))  # scattered ids: a pick must map back to them
+    keep = kept_ids_of(model)
+    logits = model.get_output_embeddings()(torch.randn(4, 8)).to(dtype)
+    full = logits.float()
+    ids, lps = greedy_tops(logits, keep)
+    assert ids == full.argmax(-1).tolist() == greedy_tops(logits)[0]
+    assert all(i in keep.tolist() for i in ids)
+    want = (full.max(-1).values - torch.logsumexp(full, -1)).tolist()
+    assert lps == pytest.approx(want, abs=1e-5)
