@@ -192,7 +192,10 @@ def set_packing(cache, rows: torch.Tensor | None = None, slots: torch.Tensor | N
 def compact(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Per row b: slots dst[b] <- slots src[b] (padding entries copy a slot onto itself). Advanced
     indexing, not gather/scatter with an expanded index, which is far slower on a CPU and grows with the
-    slots (docs/cpu-kernels.md, "Measurements behind the code")."""
+    slots (docs/cpu-kernels.md, "Measurements behind the code"). Nothing is copied where every slot stays (rows
+    whose new tokens were written where they belong)."""
+    if torch.equal(src, dst):
+        return
     rows = torch.arange(src.shape[0], device=src.device)[:, None]
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):

@@ -106,8 +106,7 @@ class DraftBatch:
                          use_cache=True, **cache_kwargs(self.model, self.cache))
         last = torch.tensor([max(len(f) - 1, 0) for f in feeds], device=out.logits.device)
         logits = out.logits[torch.arange(B, device=last.device), last]
-        if not torch.equal(src, dst):  # rows at the write pointer already sit where they belong
-            compact(self.cache, src.to(dev), dst.to(dev))
+        compact(self.cache, src.to(dev), dst.to(dev))
         for r, f in zip(rows, feeds):
             r.length += len(f)
         return logits
