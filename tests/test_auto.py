@@ -635,3 +635,62 @@ def test_auto_scales_a_drafters_chances_to_what_its_chosen_drafts_realised():
         auto._calibrate(row, "pld", [1], Verdict([], 1))
     after = auto.chances(row, "pld", 2)
     assert after[0] < 0.1 * before[0] and after[1] == pytest.approx(before[1])
+
+
+class Copier:
+    """A cheap drafter offering a 4-token chain of the answer: its second draft wrong for the first ``wrong``
+    calls, then the whole chain right (a store of answers that has learnt the request)."""
+
+    name, cheap, needs_hidden, max_nodes = "copier", True, False, 4
+
+    def __init__(self, answer: list[int], prompt_len: int, wrong: int):
+        self.answer, self.plen, self.wrong, self.calls = answer, prompt_len, wrong, 0
+
+    def propose(self, states):
+        self.calls += 1
+        out = []
+        for s in states:
+            nxt = self.answer[len(s.tokens) - self.plen:][:4]
+            if self.calls <= self.wrong and len(nxt) > 1:
+                nxt = [nxt[0], nxt[1] + 1] + nxt[2:]
+            out.append(DraftTree(torch.tensor(nxt, dtype=torch.long), chain(len(nxt))))
+        return out
+
+    def observe(self, states, verdicts):
+        pass
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_auto_keeps_measuring_the_drafts_its_cut_leaves_out(whole, monkeypatch):
+    """A chain whose second draft is wrong for 150 steps (the cut falls to one node) and then right for 200:
+    auto scores the whole chosen chain as a shadow, sees the deeper drafts accepted again, and verifies them.
+    Counted only where verified (the chain's shadow left out), the second depth's rate stays where the wrong
+    steps left it and the cut at one node to the end."""
+    import hydraspec.drafters.auto as auto_mod
+
+    if not whole:  # the chosen chain's drafts counted only where verified
+        shadow = auto_mod.AutoDrafter._shadow
+
+        def verified_only(row, s, offers, choice):
+            shadow(row, s, offers, choice)
+            row.shadows.pop(f"{choice.name}{auto_mod.WHOLE}", None)
+            return False
+        monkeypatch.setattr(auto_mod.AutoDrafter, "_shadow", staticmethod(verified_only))
+    answer = [(7 * i) % 50 + 2 for i in range(900)]
+    prompt = [1, 2, 3]
+    copier = Copier(answer, len(prompt), wrong=150)
+    auto = AutoDrafter({"copier": copier}, {n: 1.0 + 0.2 * (n - 1) for n in (1, 2, 4, 8, 16)})
+    s = DecodeState(list(prompt) + [answer[0]], len(prompt), Sampling(), capacity=1000)
+    kept = []
+    while len(s.tokens) - len(prompt) < 700:
+        tree = auto.propose([s])[0]
+        done = len(s.tokens) - len(prompt)  # the answer's tokens so far, the pending one included
+        n = 0
+        while n < len(tree) and int(tree.tokens[n]) == answer[done + n]:
+            n += 1
+        auto.observe([s], [Verdict(list(range(n)), len(tree))])
+        s.tokens += answer[done:done + n + 1]  # the accepted drafts and the target's next token
+        kept.append(len(tree))
+    assert max(kept[:30]) <= 2 and kept[25:40].count(1) >= 10  # the cut fell to one node while depth 2 failed
+    late = kept[-20:]
+    assert (min(late) >= 3) == whole and (max(late) == 1) == (not whole)

@@ -24,7 +24,9 @@ or none (plain decoding). What decides, all measured on this machine and this se
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is not
 verified it is still scored against the tokens decoded next (greedy: exactly what verification would have
-accepted), so their estimates stay current at no cost. A drafter with a forward of its own is run only when
+accepted), so their estimates stay current at no cost; so is a chosen chain that was cut, whole, so that the
+rates past the cut keep being measured (counted only where verified, a depth's rate once low would stay there
+and the cut never grow). A drafter with a forward of its own is run only when
 chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could beat the best
 and the time it would save over the rest of the answer outweighs what trying costs: a drafter with a forward of
 its own first reads every token it has not seen (on first use, the prompt less what it takes from earlier
@@ -77,6 +79,7 @@ CALIBRATION_DECAY = 0.98  # weight of older verified proposals in a drafter's ca
 CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised at every depth
 NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predicted
 BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
+WHOLE = "/whole"  # a row's shadow of its chosen chain, cut before verification, counted whole
 KEEP_DECAY = 0.995  # weight of older steps in a following drafter's account, per step
 KEEP_EVIDENCE = 64.0  # steps counted before a following drafter may be left out of new sequences
 ROW_EVIDENCE = 16.0  # a sequence's steps counted before it may stop following a drafter that does not pay on it
@@ -129,6 +132,7 @@ class Part:
     stats: tuple[str, ...]
     nodes: list[int]
     depths: list[int]
+    whole: bool = False  # its proposal was cut, and is counted whole as a shadow instead (``_shadow``)
 
 
 @dataclass
@@ -275,19 +279,22 @@ class AutoDrafter(Drafter):
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
         before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
         extras: list[tuple] = [()] * len(states)
+        whole = [False] * len(states)
         for b, load, choice in self._in_turn(rows, states, offers):
             before[b], rows[b].chosen, out[b], extras[b] = load, choice.name, choice.tree, choice.extras
             if choice.name in wants:
                 wants[choice.name].append(b)
                 if len(states) == 1 and not self.beside:  # scored where the rates are one row's
                     rows[b].trying = Trying(choice.name, choice.beat)
-            self._shadow(rows[b], states[b], offers[b], choice)
+            whole[b] = self._shadow(rows[b], states[b], offers[b], choice)
         for n, picked in wants.items():
             if picked:
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
                     out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
         for b, row in enumerate(rows):
             out[b], row.parts = self._parts(row.chosen, out[b], extras[b])
+            if whole[b]:
+                row.parts[0] = replace(row.parts[0], whole=True)
             if any(row.follow.values()):
                 row.ledger = self._ledger(row, out[b], offers[b])
             for n in self.costly:
@@ -496,7 +503,7 @@ class AutoDrafter(Drafter):
                 by[part.name][1].append(own)
                 if own.verified:
                     self._calibrate(row, part.stats[0], part.depths, own)
-                    for stat in part.stats:
+                    for stat in () if part.whole else part.stats:  # a whole one is counted as a shadow
                         self._count(row, stat, len(own.accepted), max(part.depths[:own.verified]))
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
@@ -526,17 +533,26 @@ class AutoDrafter(Drafter):
         self.totals[stat].add(accepted, depth, decay=1.0)
 
     @staticmethod
-    def _shadow(row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> None:
+    def _shadow(row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> bool:
         """Greedy rows: a cheap drafter's chain that is not verified is scored once the next tokens are known
-        (also as beside the chosen proposal where its top token differs from that one's)."""
+        (also as beside the chosen proposal where its top token differs from that one's). So is the chosen
+        chain where it was cut, whole: the drafts past the cut are counted as if verified (their depths'
+        rates would otherwise stay where they were when the cut began); returns whether it was."""
         if not s.sampling.greedy:
-            return
+            return False
         verified = [choice.name] + [n for n, _ in choice.extras]
         for n, tree in offers.items():
             if n not in verified and len(tree) and n not in row.shadows and shape_of(tree.with_root()).is_chain:
                 stat = stat_key(n, tree.grade)
                 apart = len(choice.tree) and _apart([choice.tree], tree)
                 row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), (stat, stat + BESIDE) if apart else (stat,))
+        offer, key = offers.get(choice.name), f"{choice.name}{WHOLE}"
+        if offer is None or len(choice.tree) >= len(offer) or key in row.shadows:
+            return False
+        if not shape_of(offer.with_root()).is_chain:
+            return False
+        row.shadows[key] = (len(s.tokens), offer.tokens.tolist(), (stat_key(choice.name, offer.grade),))
+        return True
 
     def _score_shadows(self, row: AutoRow, s: DecodeState) -> None:
         for n, (at, tokens, stats) in list(row.shadows.items()):
