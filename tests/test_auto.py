@@ -661,25 +661,16 @@ class Copier:
 
 
 @pytest.mark.parametrize("whole", [True, False])
-def test_auto_keeps_measuring_the_drafts_its_cut_leaves_out(whole, monkeypatch):
+def test_auto_keeps_measuring_the_drafts_its_cut_leaves_out(whole):
     """A chain whose second draft is wrong for 150 steps (the cut falls to one node) and then right for 200:
     auto scores the whole chosen chain as a shadow, sees the deeper drafts accepted again, and verifies them.
     Counted only where verified (the chain's shadow left out), the second depth's rate stays where the wrong
     steps left it and the cut at one node to the end."""
-    import hydraspec.drafters.auto as auto_mod
-
-    if not whole:  # the chosen chain's drafts counted only where verified
-        shadow = auto_mod.AutoDrafter._shadow
-
-        def verified_only(row, s, offers, choice):
-            shadow(row, s, offers, choice)
-            row.shadows.pop(f"{choice.name}{auto_mod.WHOLE}", None)
-            return False
-        monkeypatch.setattr(auto_mod.AutoDrafter, "_shadow", staticmethod(verified_only))
     answer = [(7 * i) % 50 + 2 for i in range(900)]
     prompt = [1, 2, 3]
     copier = Copier(answer, len(prompt), wrong=150)
     auto = AutoDrafter({"copier": copier}, {n: 1.0 + 0.2 * (n - 1) for n in (1, 2, 4, 8, 16)})
+    auto.whole_chains = whole
     s = DecodeState(list(prompt) + [answer[0]], len(prompt), Sampling(), capacity=1000)
     kept = []
     while len(s.tokens) - len(prompt) < 700:

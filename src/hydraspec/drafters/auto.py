@@ -260,6 +260,7 @@ class AutoDrafter(Drafter):
         self.keeps = {n: Keep() for n, d in self.cheap.items() if getattr(d, "follows", False)}  # their accounts
         self.trials = {n: Trial() for n in self.costly}
         self.row_evidence = ROW_EVIDENCE  # (infinite: sequences never stop following; a probe's setting)
+        self.whole_chains = True  # a cut chosen chain scored whole (False: only where verified; a probe's setting)
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
 
     # -- proposing --------------------------------------------------------------------------------------
@@ -532,8 +533,7 @@ class AutoDrafter(Drafter):
         row.tallies.setdefault(stat, Tally()).add(accepted, depth, decay=DECAY)
         self.totals[stat].add(accepted, depth, decay=1.0)
 
-    @staticmethod
-    def _shadow(row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> bool:
+    def _shadow(self, row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> bool:
         """Greedy rows: a cheap drafter's chain that is not verified is scored once the next tokens are known
         (also as beside the chosen proposal where its top token differs from that one's). So is the chosen
         chain where it was cut, whole: the drafts past the cut are counted as if verified (their depths'
@@ -547,7 +547,7 @@ class AutoDrafter(Drafter):
                 apart = len(choice.tree) and _apart([choice.tree], tree)
                 row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), (stat, stat + BESIDE) if apart else (stat,))
         offer, key = offers.get(choice.name), f"{choice.name}{WHOLE}"
-        if offer is None or len(choice.tree) >= len(offer) or key in row.shadows:
+        if not self.whole_chains or offer is None or len(choice.tree) >= len(offer) or key in row.shadows:
             return False
         if not shape_of(offer.with_root()).is_chain:
             return False
