@@ -24,9 +24,9 @@ or none (plain decoding). What decides, all measured on this machine and this se
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is not
 verified it is still scored against the tokens decoded next (greedy: exactly what verification would have
-accepted), so their estimates stay current at no cost; so is a chosen chain that was cut, whole, so that the
-rates past the cut keep being measured (counted only where verified, a depth's rate once low would stay there
-and the cut never grow). A drafter with a forward of its own is run only when
+accepted), so their estimates stay current at no cost; so is the whole of a chosen chain that the cut shortened,
+so that the rates past the cut keep being measured (counted only where verified, a depth's rate once pulled down
+would stay there and the cut never grow again). A drafter with a forward of its own is run only when
 chosen; one not tried on a sequence for EXPLORE steps is tried once if its optimistic estimate could beat the best
 and the time it would save over the rest of the answer outweighs what trying costs: a drafter with a forward of
 its own first reads every token it has not seen (on first use, the prompt less what it takes from earlier
