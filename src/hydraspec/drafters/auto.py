@@ -547,9 +547,8 @@ class AutoDrafter(Drafter):
                 apart = len(choice.tree) and _apart([choice.tree], tree)
                 row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), (stat, stat + BESIDE) if apart else (stat,))
         offer, key = offers.get(choice.name), f"{choice.name}{WHOLE}"
-        if not self.whole_chains or offer is None or len(choice.tree) >= len(offer) or key in row.shadows:
-            return False
-        if not shape_of(offer.with_root()).is_chain:
+        cut = offer is not None and len(choice.tree) < len(offer) and shape_of(offer.with_root()).is_chain
+        if not (self.whole_chains and cut) or key in row.shadows:
             return False
         row.shadows[key] = (len(s.tokens), offer.tokens.tolist(), (stat_key(choice.name, offer.grade),))
         return True
