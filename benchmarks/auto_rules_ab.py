@@ -6,7 +6,8 @@ Prints seconds, speedup over plain decoding and tokens per target forward for ea
 The rules (``--without``): ``trials``, new sequences stop trying a costly drafter whose tries have not paid
 (``drafters.auto.Trial``); ``sequence-keep``, a sequence stops following a head that does not pay on it
 (``drafters.auto.ROW_EVIDENCE``); ``whole-chains``, a chosen chain that was cut is scored whole, so the depths past
-the cut keep being measured (``AutoDrafter.whole_chains``).
+the cut keep being measured (``AutoDrafter.whole_chains``); ``agreement``, cheap offers counted apart by whether
+another drafter's top token agrees with theirs (``AutoDrafter.agreement``).
 
     python benchmarks/auto_rules_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --without trials
 """
@@ -52,6 +53,8 @@ def auto(target, draft, tok, dtok, without: str | None = None):
         made.row_evidence = float("inf")
     elif without == "whole-chains":
         made.whole_chains = False
+    elif without == "agreement":
+        made.agreement = False
     return made
 
 
@@ -61,7 +64,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--limit", type=int, default=2, help="questions of each category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--without", choices=["trials", "sequence-keep", "whole-chains"], default="trials")
+    ap.add_argument("--without", choices=["trials", "sequence-keep", "whole-chains", "agreement"], default="trials")
     a = ap.parse_args()
     torch.set_num_threads(2)
     target, tok = load_model(MODEL, quant="auto")

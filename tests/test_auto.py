@@ -8,7 +8,7 @@ import torch
 import tiny
 from hydraspec import SpeculativeGenerator
 from hydraspec.drafters import make_auto, make_drafter
-from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load, stat_key
+from hydraspec.drafters.auto import DIFFER, AutoDrafter, AutoRow, Load, stat_key
 from hydraspec.drafters.base import DecodeState, Drafter, Verdict
 from hydraspec.drafters.frozen_trie import FrozenTrie
 from hydraspec.drafters.prediction import PredictionDrafter
@@ -389,9 +389,9 @@ def test_auto_verifies_cheap_offers_side_by_side_and_counts_each_for_its_drafter
     ref = plain(m, tok, prompt)
     drafters = {n: HalfRight(n, ref, len(prompt), k) for k, n in enumerate(("even", "odd"))}
     auto = AutoDrafter(drafters, {n: 1.0 for n in (1, 2, 4, 8, 16)})
-    for n in drafters:
+    for n in drafters:  # their offers never agree: each is counted where differing offers are
         for i in range(20):
-            auto.totals[n].add(i % 2, 1, decay=1.0)
+            auto.totals[n + DIFFER].add(i % 2, 1, decay=1.0)
     eng = Engine(m, tok, auto, set(), rows=1, capacity=64)
     req = Request(list(prompt), N, sampling=sampling, seed=0)
     eng.add(req)
@@ -405,7 +405,7 @@ def test_auto_verifies_cheap_offers_side_by_side_and_counts_each_for_its_drafter
     assert req.result.token_ids == ref and req.result.stats.target_forwards == N // 2 and max(parts) == 2
     row = next(iter(auto.rows.rows.values()))[1]
     for n in drafters:
-        rate = row.tallies[n].accepted[0] / row.tallies[n].reached[0]
+        rate = row.tallies[n + DIFFER].accepted[0] / row.tallies[n + DIFFER].reached[0]
         assert 0.3 < rate < 0.7
 
 
@@ -685,3 +685,52 @@ def test_auto_keeps_measuring_the_drafts_its_cut_leaves_out(whole):
     assert max(kept[:30]) <= 2 and kept[25:40].count(1) >= 10  # the cut fell to one node while depth 2 failed
     late = kept[-20:]
     assert (min(late) >= 3) == whole and (max(late) == 1) == (not whole)
+
+
+class Pair:
+    """One of two cheap drafters offering one token a step: on every fourth token of the answer both offer the
+    right one, elsewhere each a wrong one of its own (``shift``), so they agree exactly where they are right."""
+
+    cheap, needs_hidden, max_nodes = True, False, 1
+
+    def __init__(self, name: str, answer: list[int], prompt_len: int, shift: int):
+        self.name, self.answer, self.plen, self.shift = name, answer, prompt_len, shift
+
+    def propose(self, states):
+        out = []
+        for s in states:
+            done = len(s.tokens) - self.plen
+            right = self.answer[done]
+            out.append(DraftTree(torch.tensor([right if done % 4 == 0 else (right + self.shift) % 50]), chain(1)))
+        return out
+
+    def observe(self, states, verdicts):
+        pass
+
+
+@pytest.mark.parametrize("agreement", [True, False])
+def test_auto_verifies_offers_where_other_drafters_agree_with_them(agreement):
+    """Two drafters right on a quarter of the steps, exactly those where they agree: pooled, a quarter is below
+    what a verify token costs here and auto drafts nothing; counted by agreement, it verifies the offers that
+    agree (all right) and leaves out those that differ (all wrong)."""
+    answer = [(7 * i) % 50 + 2 for i in range(900)]
+    prompt = [1, 2, 3]
+    drafters = {n: Pair(n, answer, len(prompt), shift) for n, shift in (("a", 1), ("b", 2))}
+    auto = AutoDrafter(drafters, {n: 1.0 + 0.3 * (n - 1) for n in (1, 2, 4, 8, 16)})
+    auto.agreement = agreement
+    s = DecodeState(list(prompt) + [answer[0]], len(prompt), Sampling(), capacity=1000)
+    steps = []
+    while len(s.tokens) - len(prompt) < 600:
+        done = len(s.tokens) - len(prompt)
+        tree = auto.propose([s])[0]
+        n = 0
+        while n < len(tree) and int(tree.tokens[n]) == answer[done + n]:
+            n += 1
+        auto.observe([s], [Verdict(list(range(n)), len(tree))])
+        s.tokens += answer[done:done + n + 1]
+        steps.append((done % 4 == 0, len(tree)))
+    late = steps[-100:]
+    agreeing = [kept for agree, kept in late if agree]
+    differing = [kept for agree, kept in late if not agree]
+    assert agreeing and differing and max(differing) == 0
+    assert min(agreeing) == (1 if agreement else 0) == max(agreeing)

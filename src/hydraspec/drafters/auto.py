@@ -20,6 +20,10 @@ or none (plain decoding). What decides, all measured on this machine and this se
 - a proposal's grade (``DraftTree.grade``, e.g. suffix decoding's match length): the counts and the
   calibration are kept per drafter and grade, so that a long match's proposal is valued as long matches
   fare and a one-token match's as those do;
+- whether the other cheap drafters agree: an offer whose top token another offer of the step shares is right far
+  more often than one whose top differs from every other (drafters that copy the same span, or a head and a
+  copy that reach the same token), so its counts and calibration are kept apart for agreeing, differing and
+  lone offers (``agreement``);
 - the step's node limit a row may keep (``Drafter.limit``, from the engine's step bound).
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is not
@@ -80,6 +84,7 @@ CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised a
 NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predicted
 BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
 WHOLE = "/whole"  # a row's shadow of its chosen chain, cut before verification, counted whole
+AGREE, DIFFER = "/agree", "/differ"  # where a cheap offer is counted when another's top token is among its own, or not
 KEEP_DECAY = 0.995  # weight of older steps in a following drafter's account, per step
 KEEP_EVIDENCE = 64.0  # steps counted before a following drafter may be left out of new sequences
 ROW_EVIDENCE = 16.0  # a sequence's steps counted before it may stop following a drafter that does not pay on it
@@ -231,6 +236,7 @@ class AutoRow:
     trying: Trying | None = None  # the last step, where it chose a costly drafter, for its trial account
     tries: dict[str, bool] = field(default_factory=dict)  # costly drafter -> whether this sequence may try it
     kept: dict[str, Keep] = field(default_factory=dict)  # following drafter -> its account on this sequence
+    agree: dict[str, str] = field(default_factory=dict)  # cheap drafter -> AGREE or DIFFER this step ("": alone)
 
 
 class AutoDrafter(Drafter):
@@ -261,6 +267,7 @@ class AutoDrafter(Drafter):
         self.trials = {n: Trial() for n in self.costly}
         self.row_evidence = ROW_EVIDENCE  # (infinite: sequences never stop following; a probe's setting)
         self.whole_chains = True  # a cut chosen chain scored whole (False: only where verified; a probe's setting)
+        self.agreement = True  # cheap offers counted apart by whether they agree (False: pooled; a probe's setting)
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
 
     # -- proposing --------------------------------------------------------------------------------------
@@ -276,6 +283,8 @@ class AutoDrafter(Drafter):
                 row.tries = {n: trial.admit() for n, trial in self.trials.items()}
         cheap = {n: self._timed(n, states, [r.follow.get(n, True) for r in rows]) for n in self.cheap}
         offers = [{n: t[b] for n, t in cheap.items()} for b in range(len(states))]
+        for row, offer in zip(rows, offers):
+            row.agree = agreement(offer) if self.agreement else {}
         out = [DraftTree.empty() for _ in states]
         wants: dict[str, list[int]] = {n: [] for n in self.costly}
         before: list[Load] = [Load(0, 0)] * len(states)  # the load each row chose on
@@ -293,7 +302,7 @@ class AutoDrafter(Drafter):
                 for b, tree in zip(picked, self._costly(n, [rows[b] for b in picked], [states[b] for b in picked])):
                     out[b] = tree.head(self._best_cut(tree, rows[b], n, before[b]).keep)
         for b, row in enumerate(rows):
-            out[b], row.parts = self._parts(row.chosen, out[b], extras[b])
+            out[b], row.parts = self._parts(row, out[b], extras[b])
             if whole[b]:
                 row.parts[0] = replace(row.parts[0], whole=True)
             if any(row.follow.values()):
@@ -336,10 +345,10 @@ class AutoDrafter(Drafter):
                 rate, after = cut.rate, after.add(cut.keep, cut.gained, 0.0)
         return replace(choice, rate=rate, after=after, extras=tuple(extras)) if extras else choice
 
-    @staticmethod
-    def _parts(chosen: str | None, tree: DraftTree, extras: tuple) -> tuple[DraftTree, list[Part]]:
-        """The tree to verify (the chosen proposal, extras beside it) and each drafter's part of it (an extra's
-        counted as beside the proposal too where there is one)."""
+    def _parts(self, row: AutoRow, tree: DraftTree, extras: tuple) -> tuple[DraftTree, list[Part]]:
+        """The tree to verify (the row's chosen proposal, extras beside it) and each drafter's part of it (an
+        extra's counted as beside the proposal too where there is one)."""
+        chosen = row.chosen
         if chosen is None and not extras:
             return tree, []
         parts = ([(chosen, tree)] if chosen is not None else []) + list(extras)
@@ -347,9 +356,10 @@ class AutoDrafter(Drafter):
         depth = shape_of(joined.with_root()).depth.tolist()[1:]
         out = []
         for i, (n, t) in enumerate(parts):
-            stat = stat_key(n, t.grade)
+            stat = self._stat(row, n, t.grade)
             beside = i > 0 and len(tree) > 0
-            out.append(Part(n, (stat + BESIDE, stat) if beside else (stat,), [j for j, k in enumerate(owner) if k == i],
+            stats = (self._stat(row, n, t.grade, beside=True), stat) if beside else (stat,)
+            out.append(Part(n, stats, [j for j, k in enumerate(owner) if k == i],
                             [d for d, k in zip(depth, owner) if k == i]))
         return joined, out
 
@@ -467,7 +477,7 @@ class AutoDrafter(Drafter):
         if not len(offer):
             return Cut(0, 0.0, 0.0)
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
-        p = self.chances(row, stat_key(name, offer.grade) + (BESIDE if beside else ""), max(depth))
+        p = self.chances(row, self._stat(row, name, offer.grade, beside), max(depth))
         seconds = self.seconds[name] if seconds is None else seconds
         c, best, value = self.step, Cut(0, 0.0, 0.0), load.expect
         for i, d in enumerate(depth[:room or self.limit]):
@@ -476,6 +486,12 @@ class AutoDrafter(Drafter):
             if v > best.rate:
                 best = Cut(i + 1, v, value - load.expect)
         return best
+
+    @staticmethod
+    def _stat(row: AutoRow, name: str, grade: int, beside: bool = False) -> str:
+        """Where an offer of drafter ``name`` is counted: its stat_key, beside a chosen proposal whose top
+        tokens differ (``beside``), else by whether other cheap offers agree with it this step."""
+        return stat_key(name, grade) + (BESIDE if beside else row.agree.get(name, ""))
 
     def chances(self, row: AutoRow, stat: str, depth: int) -> list[float]:
         """The chance that a draft at each depth 1..depth is accepted on this sequence, for proposals counted
@@ -543,14 +559,15 @@ class AutoDrafter(Drafter):
         verified = [choice.name] + [n for n, _ in choice.extras]
         for n, tree in offers.items():
             if n not in verified and len(tree) and n not in row.shadows and shape_of(tree.with_root()).is_chain:
-                stat = stat_key(n, tree.grade)
+                stat = self._stat(row, n, tree.grade)
                 apart = len(choice.tree) and _apart([choice.tree], tree)
-                row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), (stat, stat + BESIDE) if apart else (stat,))
+                stats = (stat, self._stat(row, n, tree.grade, beside=True)) if apart else (stat,)
+                row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), stats)
         offer, key = offers.get(choice.name), f"{choice.name}{WHOLE}"
         cut = offer is not None and len(choice.tree) < len(offer) and shape_of(offer.with_root()).is_chain
         if not (self.whole_chains and cut) or key in row.shadows:
             return False
-        row.shadows[key] = (len(s.tokens), offer.tokens.tolist(), (stat_key(choice.name, offer.grade),))
+        row.shadows[key] = (len(s.tokens), offer.tokens.tolist(), (self._stat(row, choice.name, offer.grade),))
         return True
 
     def _score_shadows(self, row: AutoRow, s: DecodeState) -> None:
@@ -560,6 +577,16 @@ class AutoDrafter(Drafter):
                 for stat in stats:
                     self._count(row, stat, m, len(tokens))
                 del row.shadows[n]
+
+
+def agreement(offers: dict[str, DraftTree]) -> dict[str, str]:
+    """Each offer's drafter -> AGREE where another offer's top tokens meet its own, DIFFER where none does, ""
+    where it is the only offer. Drafters that agree are right far more often than either alone."""
+    tops = {n: _tops([t]) for n, t in offers.items() if len(t)}
+    if len(tops) < 2:
+        return {n: "" for n in tops}
+    return {n: AGREE if mine & set().union(*(t for m, t in tops.items() if m != n)) else DIFFER
+            for n, mine in tops.items()}
 
 
 def _tops(trees) -> set[int]:
