@@ -8,7 +8,7 @@ import torch
 import tiny
 from hydraspec import SpeculativeGenerator
 from hydraspec.drafters import make_auto, make_drafter
-from hydraspec.drafters.auto import DIFFER, AutoDrafter, AutoRow, Load, stat_key
+from hydraspec.drafters.auto import AutoDrafter, AutoRow, Load, stat_key
 from hydraspec.drafters.base import DecodeState, Drafter, Verdict
 from hydraspec.drafters.frozen_trie import FrozenTrie
 from hydraspec.drafters.prediction import PredictionDrafter
@@ -389,9 +389,9 @@ def test_auto_verifies_cheap_offers_side_by_side_and_counts_each_for_its_drafter
     ref = plain(m, tok, prompt)
     drafters = {n: HalfRight(n, ref, len(prompt), k) for k, n in enumerate(("even", "odd"))}
     auto = AutoDrafter(drafters, {n: 1.0 for n in (1, 2, 4, 8, 16)})
-    for n in drafters:  # their offers never agree: each is counted where differing offers are
+    for n in drafters:
         for i in range(20):
-            auto.totals[n + DIFFER].add(i % 2, 1, decay=1.0)
+            auto.totals[n].add(i % 2, 1, decay=1.0)
     eng = Engine(m, tok, auto, set(), rows=1, capacity=64)
     req = Request(list(prompt), N, sampling=sampling, seed=0)
     eng.add(req)
@@ -405,7 +405,7 @@ def test_auto_verifies_cheap_offers_side_by_side_and_counts_each_for_its_drafter
     assert req.result.token_ids == ref and req.result.stats.target_forwards == N // 2 and max(parts) == 2
     row = next(iter(auto.rows.rows.values()))[1]
     for n in drafters:
-        rate = row.tallies[n + DIFFER].accepted[0] / row.tallies[n + DIFFER].reached[0]
+        rate = row.tallies[n].accepted[0] / row.tallies[n].reached[0]
         assert 0.3 < rate < 0.7
 
 
@@ -711,8 +711,8 @@ class Pair:
 @pytest.mark.parametrize("agreement", [True, False])
 def test_auto_verifies_offers_where_other_drafters_agree_with_them(agreement):
     """Two drafters right on a quarter of the steps, exactly those where they agree: pooled, a quarter is below
-    what a verify token costs here and auto drafts nothing; counted by agreement, it verifies the offers that
-    agree (all right) and leaves out those that differ (all wrong)."""
+    what a verify token costs here and auto drafts nothing; with each offer's rate scaled by how agreeing and
+    differing offers fare, it verifies the offers that agree (all right) and leaves out those that differ."""
     answer = [(7 * i) % 50 + 2 for i in range(900)]
     prompt = [1, 2, 3]
     drafters = {n: Pair(n, answer, len(prompt), shift) for n, shift in (("a", 1), ("b", 2))}

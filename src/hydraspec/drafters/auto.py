@@ -22,8 +22,9 @@ or none (plain decoding). What decides, all measured on this machine and this se
   fare and a one-token match's as those do;
 - whether the other cheap drafters agree: an offer whose top token another offer of the step shares is right far
   more often than one whose top differs from every other (drafters that copy the same span, or a head and a
-  copy that reach the same token), so its counts and calibration are kept apart for agreeing, differing and
-  lone offers (``agreement``);
+  copy that reach the same token). Every sequence's first drafts are also counted by agreement (``AGREE``,
+  ``DIFFER``), and an offer's first-depth rate on its sequence is scaled by its case's rate over all of them
+  (``lift``); the sequence's own counts stay whole, so it keeps learning as fast (``agreement``);
 - the step's node limit a row may keep (``Drafter.limit``, from the engine's step bound).
 
 Drafters whose proposals cost next to nothing (``cheap``) propose every step, and where their proposal is not
@@ -84,7 +85,8 @@ CALIBRATION_WEIGHT = 2.0  # its prior: this many tokens predicted and realised a
 NEUTRAL = [1.0] * DEPTHS  # the calibration factors with no evidence: as predicted
 BESIDE = "/beside"  # where a drafter's offers whose top token differs from the chosen proposal's are counted
 WHOLE = "/whole"  # a row's shadow of its chosen chain, cut before verification, counted whole
-AGREE, DIFFER = "/agree", "/differ"  # where a cheap offer is counted when another's top token is among its own, or not
+AGREE, DIFFER = "/agree", "/differ"  # every sequence's offers that another offer's top token agrees with, or not
+LIFT_WEIGHT = 8.0  # first drafts an agreement case counts as having seen at the drafter's overall rate
 KEEP_DECAY = 0.995  # weight of older steps in a following drafter's account, per step
 KEEP_EVIDENCE = 64.0  # steps counted before a following drafter may be left out of new sequences
 ROW_EVIDENCE = 16.0  # a sequence's steps counted before it may stop following a drafter that does not pay on it
@@ -138,6 +140,7 @@ class Part:
     nodes: list[int]
     depths: list[int]
     whole: bool = False  # its proposal was cut, and is counted whole as a shadow instead (``_shadow``)
+    agree: str = ""  # AGREE or DIFFER where other cheap offers came beside its own (``agreement``)
 
 
 @dataclass
@@ -230,7 +233,7 @@ class AutoRow:
     tried: dict[str, int] = field(default_factory=dict)  # costly drafter -> steps since this sequence used it
     seen: dict[str, int] = field(default_factory=dict)  # costly drafter -> tokens it had read at its last use
     known: dict[str, int] = field(default_factory=dict)  # costly drafter not yet used -> Drafter.known, asked once
-    shadows: dict[str, tuple[int, list[int], str]] = field(default_factory=dict)  # unverified cheap chains
+    shadows: dict[str, tuple[int, list[int], tuple, str]] = field(default_factory=dict)  # unverified cheap chains
     follow: dict[str, bool] | None = None  # following drafter -> whether this sequence asks it (set once)
     ledger: Ledger | None = None  # the last step, for the following drafters' accounts
     trying: Trying | None = None  # the last step, where it chose a costly drafter, for its trial account
@@ -267,7 +270,7 @@ class AutoDrafter(Drafter):
         self.trials = {n: Trial() for n in self.costly}
         self.row_evidence = ROW_EVIDENCE  # (infinite: sequences never stop following; a probe's setting)
         self.whole_chains = True  # a cut chosen chain scored whole (False: only where verified; a probe's setting)
-        self.agreement = True  # cheap offers counted apart by whether they agree (False: pooled; a probe's setting)
+        self.agreement = True  # first rates scaled by whether offers agree (False: not; a probe's setting)
         self.rows: RowStates[AutoRow] = RowStates(lambda s: AutoRow())
 
     # -- proposing --------------------------------------------------------------------------------------
@@ -345,7 +348,8 @@ class AutoDrafter(Drafter):
                 rate, after = cut.rate, after.add(cut.keep, cut.gained, 0.0)
         return replace(choice, rate=rate, after=after, extras=tuple(extras)) if extras else choice
 
-    def _parts(self, row: AutoRow, tree: DraftTree, extras: tuple) -> tuple[DraftTree, list[Part]]:
+    @staticmethod
+    def _parts(row: AutoRow, tree: DraftTree, extras: tuple) -> tuple[DraftTree, list[Part]]:
         """The tree to verify (the row's chosen proposal, extras beside it) and each drafter's part of it (an
         extra's counted as beside the proposal too where there is one)."""
         chosen = row.chosen
@@ -356,11 +360,10 @@ class AutoDrafter(Drafter):
         depth = shape_of(joined.with_root()).depth.tolist()[1:]
         out = []
         for i, (n, t) in enumerate(parts):
-            stat = self._stat(row, n, t.grade)
+            stat = stat_key(n, t.grade)
             beside = i > 0 and len(tree) > 0
-            stats = (self._stat(row, n, t.grade, beside=True), stat) if beside else (stat,)
-            out.append(Part(n, stats, [j for j, k in enumerate(owner) if k == i],
-                            [d for d, k in zip(depth, owner) if k == i]))
+            out.append(Part(n, (stat + BESIDE, stat) if beside else (stat,), [j for j, k in enumerate(owner) if k == i],
+                            [d for d, k in zip(depth, owner) if k == i], agree=row.agree.get(n, "")))
         return joined, out
 
     def _timed(self, name: str, states: list[DecodeState], asked: list[bool]) -> list[DraftTree]:
@@ -477,7 +480,9 @@ class AutoDrafter(Drafter):
         if not len(offer):
             return Cut(0, 0.0, 0.0)
         depth = shape_of(offer.with_root()).depth.tolist()[1:]
-        p = self.chances(row, self._stat(row, name, offer.grade, beside), max(depth))
+        stat = stat_key(name, offer.grade)
+        p = self.chances(row, stat + BESIDE, max(depth)) if beside else \
+            self.chances(row, stat, max(depth), row.agree.get(name, ""))
         seconds = self.seconds[name] if seconds is None else seconds
         c, best, value = self.step, Cut(0, 0.0, 0.0), load.expect
         for i, d in enumerate(depth[:room or self.limit]):
@@ -487,22 +492,29 @@ class AutoDrafter(Drafter):
                 best = Cut(i + 1, v, value - load.expect)
         return best
 
-    @staticmethod
-    def _stat(row: AutoRow, name: str, grade: int, beside: bool = False) -> str:
-        """Where an offer of drafter ``name`` is counted: its stat_key, beside a chosen proposal whose top
-        tokens differ (``beside``), else by whether other cheap offers agree with it this step."""
-        return stat_key(name, grade) + (BESIDE if beside else row.agree.get(name, ""))
-
-    def chances(self, row: AutoRow, stat: str, depth: int) -> list[float]:
+    def chances(self, row: AutoRow, stat: str, depth: int, agree: str = "") -> list[float]:
         """The chance that a draft at each depth 1..depth is accepted on this sequence, for proposals counted
-        at ``stat`` (a drafter, or a drafter's grade: stat_key): its rates' product down to it, scaled by what
-        such chosen drafts realised against such predictions."""
-        return [min(0.99, p * f) for p, f in zip(reach(self.rates(row, stat), depth), self.trust.get(stat, NEUTRAL))]
+        at ``stat`` (a drafter, or a drafter's grade: stat_key) in agreement case ``agree``: its rates' product
+        down to it, scaled by what such chosen drafts realised against such predictions."""
+        return [min(0.99, p * f) for p, f in zip(reach(self.rates(row, stat, agree), depth),
+                                                 self.trust.get(stat, NEUTRAL))]
 
-    def rates(self, row: AutoRow, stat: str) -> list[float]:
+    def rates(self, row: AutoRow, stat: str, agree: str = "") -> list[float]:
         prior = self.totals[stat].own_rates()
         tally = row.tallies.get(stat)
-        return [min(0.99, r) for r in (tally.rates(prior, PRIOR_WEIGHT) if tally is not None else prior)]
+        out = tally.rates(prior, PRIOR_WEIGHT) if tally is not None else prior
+        if agree:
+            out[0] *= self.lift(stat, agree)
+        return [min(0.99, r) for r in out]
+
+    def lift(self, stat: str, agree: str) -> float:
+        """How much more (or less) often every sequence's first drafts counted at ``stat`` were accepted in
+        agreement case ``agree`` than in all cases, the case's counts pulled towards the overall rate."""
+        overall = self.totals[stat].own_rates()[0]
+        case = self.totals.get(stat + agree)
+        if case is None or overall <= 0.0:
+            return 1.0
+        return (case.accepted[0] + overall * LIFT_WEIGHT) / (case.reached[0] + LIFT_WEIGHT) / overall
 
     # -- learning -----------------------------------------------------------------------------------------
     def observe(self, states: list[DecodeState], verdicts: list[Verdict]) -> None:
@@ -519,9 +531,9 @@ class AutoDrafter(Drafter):
                 by.setdefault(part.name, ([], []))[0].append(s)
                 by[part.name][1].append(own)
                 if own.verified:
-                    self._calibrate(row, part.stats[0], part.depths, own)
+                    self._calibrate(row, part.stats[0], part.depths, own, part.agree)
                     for stat in () if part.whole else part.stats:  # a whole one is counted as a shadow
-                        self._count(row, stat, len(own.accepted), max(part.depths[:own.verified]))
+                        self._count(row, stat, len(own.accepted), max(part.depths[:own.verified]), part.agree)
         for n, (ss, vs) in by.items():
             self.drafters[n].observe(ss, vs)
 
@@ -535,19 +547,21 @@ class AutoDrafter(Drafter):
         for d in self.drafters.values():
             d.forget()
 
-    def _calibrate(self, row: AutoRow, stat: str, depths: list[int], v: Verdict) -> None:
+    def _calibrate(self, row: AutoRow, stat: str, depths: list[int], v: Verdict, agree: str = "") -> None:
         """Compare the chances predicted (before calibration) for the verified nodes (of ``depths``, one a node of
         the proposal) with what was accepted."""
         depths = depths[:v.verified]
-        p = reach(self.rates(row, stat), max(depths))
+        p = reach(self.rates(row, stat, "" if stat.endswith(BESIDE) else agree), max(depths))
         hits = set(v.accepted)
         self.calibration[stat].add(depths, [p[d - 1] for d in depths], [i in hits for i in range(len(depths))],
                                    CALIBRATION_DECAY)
         self.trust[stat] = self.calibration[stat].factors(CALIBRATION_WEIGHT)
 
-    def _count(self, row: AutoRow, stat: str, accepted: int, depth: int) -> None:
+    def _count(self, row: AutoRow, stat: str, accepted: int, depth: int, agree: str = "") -> None:
         row.tallies.setdefault(stat, Tally()).add(accepted, depth, decay=DECAY)
         self.totals[stat].add(accepted, depth, decay=1.0)
+        if agree and not stat.endswith(BESIDE):  # every sequence's counts by agreement: what ``lift`` reads
+            self.totals[stat + agree].add(accepted, depth, decay=1.0)
 
     def _shadow(self, row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> bool:
         """Greedy rows: a cheap drafter's chain that is not verified is scored once the next tokens are known
@@ -559,29 +573,30 @@ class AutoDrafter(Drafter):
         verified = [choice.name] + [n for n, _ in choice.extras]
         for n, tree in offers.items():
             if n not in verified and len(tree) and n not in row.shadows and shape_of(tree.with_root()).is_chain:
-                stat = self._stat(row, n, tree.grade)
+                stat = stat_key(n, tree.grade)
                 apart = len(choice.tree) and _apart([choice.tree], tree)
-                stats = (stat, self._stat(row, n, tree.grade, beside=True)) if apart else (stat,)
-                row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), stats)
+                row.shadows[n] = (len(s.tokens), tree.tokens.tolist(), (stat, stat + BESIDE) if apart else (stat,),
+                                  row.agree.get(n, ""))
         offer, key = offers.get(choice.name), f"{choice.name}{WHOLE}"
         cut = offer is not None and len(choice.tree) < len(offer) and shape_of(offer.with_root()).is_chain
         if not (self.whole_chains and cut) or key in row.shadows:
             return False
-        row.shadows[key] = (len(s.tokens), offer.tokens.tolist(), (self._stat(row, choice.name, offer.grade),))
+        row.shadows[key] = (len(s.tokens), offer.tokens.tolist(), (stat_key(choice.name, offer.grade),),
+                            row.agree.get(choice.name, ""))
         return True
 
     def _score_shadows(self, row: AutoRow, s: DecodeState) -> None:
-        for n, (at, tokens, stats) in list(row.shadows.items()):
+        for n, (at, tokens, stats, agree) in list(row.shadows.items()):
             m = shadow_accepted(tokens, s.tokens[at:])
             if m is not None:
                 for stat in stats:
-                    self._count(row, stat, m, len(tokens))
+                    self._count(row, stat, m, len(tokens), agree)
                 del row.shadows[n]
 
 
 def agreement(offers: dict[str, DraftTree]) -> dict[str, str]:
     """Each offer's drafter -> AGREE where another offer's top tokens meet its own, DIFFER where none does, ""
-    where it is the only offer. Drafters that agree are right far more often than either alone."""
+    where it is the only offer."""
     tops = {n: _tops([t]) for n, t in offers.items() if len(t)}
     if len(tops) < 2:
         return {n: "" for n in tops}
