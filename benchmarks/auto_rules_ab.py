@@ -6,8 +6,8 @@ Prints seconds, speedup over plain decoding and tokens per target forward for ea
 The rules (``--without``): ``trials``, new sequences stop trying a costly drafter whose tries have not paid
 (``drafters.auto.Trial``); ``sequence-keep``, a sequence stops following a head that does not pay on it
 (``drafters.auto.ROW_EVIDENCE``); ``whole-chains``, a chosen chain that was cut is scored whole, so the depths past
-the cut keep being measured (``AutoDrafter.whole_chains``); ``agreement``, cheap offers counted apart by whether
-another drafter's top token agrees with theirs (``AutoDrafter.agreement``).
+the cut keep being measured (``AutoDrafter.whole_chains``); ``agreement``, a cheap offer's first-depth rate scaled
+by how offers fared whose top token another drafter's offer shared, or did not (``AutoDrafter.agreement``).
 
     python benchmarks/auto_rules_ab.py --prompts benchmarks/prompts/everyday.jsonl --limit 2 --without trials
 """
