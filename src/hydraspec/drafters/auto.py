@@ -239,7 +239,7 @@ class AutoRow:
     trying: Trying | None = None  # the last step, where it chose a costly drafter, for its trial account
     tries: dict[str, bool] = field(default_factory=dict)  # costly drafter -> whether this sequence may try it
     kept: dict[str, Keep] = field(default_factory=dict)  # following drafter -> its account on this sequence
-    agree: dict[str, str] = field(default_factory=dict)  # cheap drafter -> AGREE or DIFFER this step ("": alone)
+    agree: dict[str, str] = field(default_factory=dict)  # cheap drafter -> AGREE or DIFFER this step (absent: alone)
 
 
 class AutoDrafter(Drafter):
@@ -560,8 +560,8 @@ class AutoDrafter(Drafter):
     def _count(self, row: AutoRow, stat: str, accepted: int, depth: int, agree: str = "") -> None:
         row.tallies.setdefault(stat, Tally()).add(accepted, depth, decay=DECAY)
         self.totals[stat].add(accepted, depth, decay=1.0)
-        if agree and not stat.endswith(BESIDE):  # every sequence's counts by agreement: what ``lift`` reads
-            self.totals[stat + agree].add(accepted, depth, decay=1.0)
+        if agree and not stat.endswith(BESIDE):  # every sequence's first drafts by agreement: what ``lift`` reads
+            self.totals[stat + agree].add(min(accepted, 1), 1, decay=1.0)
 
     def _shadow(self, row: AutoRow, s: DecodeState, offers: dict[str, DraftTree], choice: Choice) -> bool:
         """Greedy rows: a cheap drafter's chain that is not verified is scored once the next tokens are known
@@ -595,11 +595,11 @@ class AutoDrafter(Drafter):
 
 
 def agreement(offers: dict[str, DraftTree]) -> dict[str, str]:
-    """Each offer's drafter -> AGREE where another offer's top tokens meet its own, DIFFER where none does, ""
+    """Each offer's drafter -> AGREE where another offer's top tokens meet its own, DIFFER where none does; none
     where it is the only offer."""
     tops = {n: _tops([t]) for n, t in offers.items() if len(t)}
     if len(tops) < 2:
-        return {n: "" for n in tops}
+        return {}
     return {n: AGREE if mine & set().union(*(t for m, t in tops.items() if m != n)) else DIFFER
             for n, mine in tops.items()}
 
